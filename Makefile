@@ -1,0 +1,42 @@
+# Two entry points: `make demo` (train a real model through a tierfs mount) and `make test`.
+# Both install what is missing on a fresh Debian 12/13 machine (run as root).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+APT_PKGS := fuse3 libfuse3-dev pkg-config bindfs nbdkit nbdkit-plugin-python nbdfuse fio e2fsprogs util-linux
+
+.PHONY: demo test bench lint setup system-deps clean
+
+system-deps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, pinned, so that pip takes the local CPU build and not a CUDA download
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[torch,dev]'
+	touch $@
+
+setup: system-deps $(VENV)/.installed
+
+demo: setup
+	$(VPY) examples/demo.py
+
+test: setup
+	$(VPY) -m pytest -q
+
+bench: setup
+	$(VPY) -m tierfs bench
+
+lint: setup
+	$(VENV)/bin/ruff check tierfs tierfs_hints tests examples
+	$(VENV)/bin/mypy tierfs tierfs_hints
+
+clean:
+	rm -rf $(VENV) demo-data .bench
