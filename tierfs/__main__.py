@@ -1,0 +1,3 @@
+from tierfs.cli import entry
+
+entry()

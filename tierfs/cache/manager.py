@@ -1,0 +1,549 @@
+"""The cache: serves chunk reads from the fastest tier that holds them, places fetched chunks,
+demotes on eviction (RAM -> SSD), promotes on repeated hits (SSD -> RAM).
+
+Invariants kept here (each is a test):
+* a tier never holds more than its capacity (:meth:`Tier.reserve` refuses first);
+* a full or failing tier never fails a read: the chunk comes from the next tier, the staging
+  area or the backing store;
+* a chunk being read in a device thread is pinned and is never evicted or moved under the
+  reader; the kernel's page cache (and so every mapping) is never invalidated by eviction;
+* only the scheduler reads the backing store.
+
+Concurrency: everything runs on the trio event loop; awaits happen only around device-thread
+calls (SSD reads and writes) and the scheduler. State that must not change across an await is
+protected by pins (readers) and the ``_moving`` set (chunks being demoted, promoted or placed).
+See docs/concurrency.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import trio
+import xxhash
+
+from tierfs.cache.catalog import Catalog, ChunkEntry, SsdCatalog, tier_file_size
+from tierfs.cache.policy import ChunkId, Policy, Residency
+from tierfs.cache.tier import Tier, blocks
+from tierfs.errors import TierIOError
+from tierfs.io import Device, is_enospc
+from tierfs.sched.backing import BackingFile
+from tierfs.sched.scheduler import FetchRequest, Klass, TransactionScheduler
+
+log = logging.getLogger("tierfs.cache")
+
+
+@dataclass(eq=False)
+class Staged:
+    """A fetched chunk held in memory: not (yet) admitted to a tier, or readahead not yet read."""
+
+    data: bytes
+    speculative: bool
+    accessed: bool = False
+    placing: bool = False
+
+
+@dataclass
+class AccessState:
+    """Per open handle: which chunk it read last, so one pass over a chunk counts as one access."""
+
+    last_chunk: int = -1
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    staging_bytes: int
+    staging_capacity_bytes: int
+    staging_hits: int
+    backing_hits: int
+    backing_bytes_served: int
+    prefetch_used_bytes: int
+    prefetch_wasted_bytes: int
+    placements: int
+    bypassed: int
+    checksum_failures: int
+    policy: str
+
+
+class Cache:
+    """Args:
+        tiers: fastest first. devices: one per tier (its thread limiter).
+        policy: admission/eviction. scheduler: the only way to the backing store.
+        staging_bytes: memory cap of the staging area.
+        ssd_catalog: persistent record of the last tier, if it persists.
+    """
+
+    def __init__(
+        self,
+        tiers: list[Tier],
+        devices: list[Device],
+        policy: Policy,
+        scheduler: TransactionScheduler,
+        *,
+        chunk_size: int,
+        staging_bytes: int,
+        ssd_catalog: SsdCatalog | None = None,
+    ) -> None:
+        self.tiers = tiers
+        self.devices = devices
+        self.policy = policy
+        self.residency: list[Residency] = [policy.new_residency() for _ in tiers]
+        self.scheduler = scheduler
+        scheduler.on_fetched = self._on_fetched
+        self.chunk_size = chunk_size
+        self.catalog = Catalog()
+        self.ssd_catalog = ssd_catalog
+        self.persistent_tier = len(tiers) - 1 if ssd_catalog is not None else -1
+        self.staging: OrderedDict[ChunkId, Staged] = OrderedDict()
+        self.staging_capacity = staging_bytes
+        self.staging_used = 0
+        self._moving: set[ChunkId] = set()
+        self._nursery: trio.Nursery | None = None
+        self.staging_hits = 0
+        self.backing_hits = 0
+        self.backing_bytes_served = 0
+        self.prefetch_used = 0
+        self.prefetch_wasted = 0
+        self.placements = 0
+        self.bypassed = 0
+        self.checksum_failures = 0
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Background placement and promotion tasks run in ``nursery`` (owned by the mount)."""
+        self._nursery = nursery
+
+    # -- reading ---------------------------------------------------------------------------
+    async def read(self, f: BackingFile, offset: int, size: int, access: AccessState) -> bytes:
+        """Bytes ``[offset, offset+size)`` of ``f`` (short at end of file). Raises BackingIOError
+        only when the backing store itself fails."""
+        end = min(offset + size, f.size)
+        cs = self.chunk_size
+        parts: list[bytes] = []
+        pos = offset
+        while pos < end:
+            idx = pos // cs
+            cstart = idx * cs
+            take = min(end, cstart + cs) - pos
+            first_touch = idx != access.last_chunk
+            access.last_chunk = idx
+            parts.append(await self._read_chunk(f, idx, pos - cstart, take, first_touch))
+            pos += take
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read_chunk(
+        self, f: BackingFile, idx: int, start: int, n: int, first_touch: bool
+    ) -> bytes:
+        cid = (f.key, idx)
+        prior = self.policy.freq.record(cid) if first_touch else self.policy.freq.get(cid) - 1
+        while True:
+            entry = self.catalog.get(cid)
+            if entry is not None:
+                data = await self._read_resident(cid, entry, start, n)
+                if data is not None:
+                    self._count_hit(cid, entry, first_touch, n)
+                    return data
+                continue  # the tier failed; the chunk was dropped: look again
+            if first_touch:
+                for t in self.tiers:
+                    t.misses += 1
+                first_touch = False
+            staged = self.staging.get(cid)
+            if staged is not None:
+                self.staging.move_to_end(cid)
+                self.staging_hits += 1
+                self._first_access(cid, staged, prior)
+                return staged.data[start : start + n]
+            data = await self.scheduler.fetch(f, idx, Klass.DEMAND)
+            self.backing_hits += 1
+            self.backing_bytes_served += n
+            staged = self.staging.get(cid)
+            if staged is not None:
+                self._first_access(cid, staged, prior)
+            return data[start : start + n]
+
+    async def _read_resident(self, cid: ChunkId, entry: ChunkEntry, start: int, n: int) -> bytes | None:
+        tier = self.tiers[entry.tier]
+        offset = cid[1] * self.chunk_size
+        try:
+            if tier.inline and entry.verified:
+                return tier.read(cid[0], offset + start, n)
+            entry.pins += 1
+            try:
+                if entry.verified:
+                    return await self.devices[entry.tier].run(tier.read, cid[0], offset + start, n)
+                whole = await self.devices[entry.tier].run(tier.read, cid[0], offset, entry.length)
+            finally:
+                entry.pins -= 1
+        except TierIOError as e:
+            log.warning("%s; dropping chunk %s/%d and reading elsewhere", e, cid[0], cid[1])
+            tier.errors += 1
+            await self._drop_chunk(cid)
+            return None
+        if xxhash.xxh3_64_intdigest(whole) != entry.checksum:
+            log.warning("checksum mismatch in tier %s for %s/%d: dropped", tier.name, *cid)
+            self.checksum_failures += 1
+            await self._drop_chunk(cid)
+            return None
+        entry.verified = True
+        return whole[start : start + n]
+
+    def _count_hit(self, cid: ChunkId, entry: ChunkEntry, first_touch: bool, n: int) -> None:
+        tier = self.tiers[entry.tier]
+        tier.bytes_served += n
+        if not first_touch:
+            return
+        tier.hits += 1
+        for t in self.tiers[: entry.tier]:
+            t.misses += 1
+        self.residency[entry.tier].touch(cid)
+        if entry.tier == self.persistent_tier and self.ssd_catalog is not None:
+            self.ssd_catalog.record_freq(cid, self.policy.freq.get(cid))
+        if entry.tier > 0 and cid not in self._moving:
+            victim = next(self.residency[0].victims(self._unmovable), None)
+            room = self.tiers[0].room() >= blocks(entry.length)
+            if self.policy.promotes(cid, None if room else victim):
+                self._spawn(self._promote, cid)
+
+    def _first_access(self, cid: ChunkId, staged: Staged, prior: int) -> None:
+        if staged.accessed:
+            return
+        staged.accessed = True
+        if staged.speculative:
+            self.prefetch_used += len(staged.data)
+        if not staged.placing:
+            staged.placing = True
+            self._spawn(self._place_staged, cid, staged, prior)
+
+    def _spawn(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    # -- prefetch --------------------------------------------------------------------------
+    def prefetch(self, f: BackingFile, indexes: list[int], klass: Klass = Klass.SPECULATIVE,
+                 deadline: float = float("inf")) -> int:
+        """Queue fetches of chunks that are not resident, staged or queued. Returns how many."""
+        n = 0
+        for idx in indexes:
+            cid = (f.key, idx)
+            if cid in self.catalog.entries or cid in self.staging:
+                continue
+            req = self.scheduler.lookup(cid)
+            if req is not None and req.klass <= klass:
+                continue
+            self.scheduler.submit(f, idx, klass, deadline)
+            n += 1
+        return n
+
+    def _on_fetched(self, req: FetchRequest, data: bytes) -> None:
+        """Scheduler callback: every fetched chunk is staged first (memory, instant)."""
+        cid = req.cid
+        if cid in self.staging or cid in self.catalog.entries or req.file.stale:
+            return
+        self.staging[cid] = Staged(data, speculative=req.klass is Klass.SPECULATIVE and req.waiters == 0)
+        self.staging_used += len(data)
+        self._trim_staging()
+
+    def _trim_staging(self) -> None:
+        if self.staging_used <= self.staging_capacity:
+            return
+        for cid in list(self.staging):
+            if self.staging_used <= self.staging_capacity:
+                break
+            staged = self.staging[cid]
+            if staged.placing and not staged.accessed:
+                continue
+            if staged.placing:
+                continue  # its placement task still needs the bytes
+            self._unstage(cid)
+            if staged.speculative and not staged.accessed:
+                self.prefetch_wasted += len(staged.data)
+
+    def _unstage(self, cid: ChunkId) -> None:
+        staged = self.staging.pop(cid, None)
+        if staged is not None:
+            self.staging_used -= len(staged.data)
+
+    # -- placement, eviction, promotion ----------------------------------------------------
+    def _unmovable(self, cid: ChunkId) -> bool:
+        if cid in self._moving:
+            return True
+        entry = self.catalog.get(cid)
+        return entry is None or entry.pins > 0
+
+    async def _place_staged(self, cid: ChunkId, staged: Staged, prior: int) -> None:
+        try:
+            if cid in self.catalog.entries:
+                return
+            self._moving.add(cid)
+            try:
+                placed = await self._place(cid, staged.data, prior, range(len(self.tiers)))
+            finally:
+                self._moving.discard(cid)
+            if placed is None:
+                self.bypassed += 1
+            else:
+                self.placements += 1
+        finally:
+            staged.placing = False
+            if cid in self.catalog.entries:
+                self._unstage(cid)
+            else:
+                self._trim_staging()
+
+    async def _place(self, cid: ChunkId, data: bytes, prior: int, tier_range: range) -> int | None:
+        """Put ``data`` in the fastest tier of ``tier_range`` that has room or can make room
+        by the policy. Returns the tier index, or None (not admitted anywhere)."""
+        length = len(data)
+        for t in tier_range:
+            tier = self.tiers[t]
+            if tier.room() < blocks(length) and not await self._make_room(t, blocks(length), prior):
+                continue
+            if not tier.reserve(length):
+                tier.full_events += 1
+                continue
+            checksum = xxhash.xxh3_64_intdigest(data) if t == self.persistent_tier else 0
+            try:
+                if tier.inline:
+                    tier.write(cid[0], cid[1] * self.chunk_size, data)
+                else:
+                    await self.devices[t].run(tier.write, cid[0], cid[1] * self.chunk_size, data)
+            except TierIOError as e:
+                tier.release(length)
+                self._tier_write_failed(t, cid, e)
+                continue
+            if cid in self.catalog.entries:  # raced with another placement; keep the other
+                tier.release(length)
+                return self.catalog.entries[cid].tier
+            self.catalog.add(cid, ChunkEntry(t, length, checksum))
+            self.residency[t].add(cid)
+            if t == self.persistent_tier and self.ssd_catalog is not None:
+                self.ssd_catalog.record_add(cid, length, checksum)
+            return t
+        return None
+
+    def _tier_write_failed(self, t: int, cid: ChunkId, e: TierIOError) -> None:
+        tier = self.tiers[t]
+        tier.errors += 1
+        tier.punch(cid[0], cid[1] * self.chunk_size, self.chunk_size)
+        if is_enospc(OSError(e.errno, "")):
+            # The filesystem filled from outside (cvmfs#3083): never exceed what it has left.
+            tier.effective_capacity = max(0, tier.used)
+            tier.full_events += 1
+            log.warning("tier %s: filesystem full at %d bytes; capacity lowered to that",
+                        tier.name, tier.used)
+        else:
+            log.warning("%s", e)
+
+    async def _make_room(self, t: int, need: int, prior: int) -> bool:
+        """Evict victims of tier ``t`` (demoting them) until ``need`` bytes are free, if the
+        policy lets a newcomer with ``prior`` accesses replace every one of them."""
+        tier = self.tiers[t]
+        victims: list[ChunkId] = []
+        freed = tier.room()
+        for victim in self.residency[t].victims(self._unmovable):
+            if freed >= need:
+                break
+            if not self.policy.admits(prior, victim):
+                return False
+            victims.append(victim)
+            freed += blocks(self.catalog.entries[victim].length)
+        if freed < need:
+            return False
+        for victim in victims:
+            await self._evict(t, victim)
+        return tier.room() >= need
+
+    async def _evict(self, t: int, cid: ChunkId) -> None:
+        """Remove ``cid`` from tier ``t``, demoting it to a slower tier if one admits it."""
+        entry = self.catalog.get(cid)
+        if entry is None or entry.tier != t or entry.pins or cid in self._moving:
+            return
+        tier = self.tiers[t]
+        data: bytes | None = None
+        if t + 1 < len(self.tiers):
+            try:
+                if tier.inline:
+                    data = tier.read(cid[0], cid[1] * self.chunk_size, entry.length)
+                else:
+                    data = await self.devices[t].run(tier.read, cid[0], cid[1] * self.chunk_size, entry.length)
+            except TierIOError:
+                data = None
+        await self._drop_chunk(cid)
+        tier.evictions += 1
+        if data is not None:
+            self._moving.add(cid)
+            # While it moves, readers find the bytes in staging instead of refetching them.
+            self.staging[cid] = Staged(data, speculative=False, accessed=True, placing=True)
+            self.staging_used += len(data)
+            try:
+                placed = await self._place(cid, data, self.policy.freq.get(cid), range(t + 1, len(self.tiers)))
+                if placed is not None:
+                    self.tiers[placed].demotions += 1
+            finally:
+                self._moving.discard(cid)
+                self._unstage(cid)
+
+    async def _promote(self, cid: ChunkId) -> None:
+        entry = self.catalog.get(cid)
+        if entry is None or entry.tier == 0 or cid in self._moving:
+            return
+        src = entry.tier
+        self._moving.add(cid)
+        try:
+            entry.pins += 1
+            try:
+                data = await self.devices[src].run(self.tiers[src].read, cid[0], cid[1] * self.chunk_size, entry.length)
+            except TierIOError:
+                return
+            finally:
+                entry.pins -= 1
+            # Admit over victims with fewer accesses than this chunk has now.
+            freq = self.policy.freq.get(cid)
+            self.catalog.remove(cid)
+            self.residency[src].remove(cid)
+            placed = await self._place(cid, data, freq, range(0, src))
+            if placed is None:  # lost the race for room: keep it where it was
+                self.catalog.add(cid, entry)
+                self.residency[src].add(cid)
+                return
+            self.tiers[placed].promotions += 1
+            self.tiers[src].release(entry.length)
+            self.tiers[src].punch(cid[0], cid[1] * self.chunk_size, entry.length)
+            if src == self.persistent_tier and self.ssd_catalog is not None:
+                self.ssd_catalog.record_remove(cid)
+            self._maybe_remove_file(src, cid[0])
+        finally:
+            self._moving.discard(cid)
+
+    async def _drop_chunk(self, cid: ChunkId) -> None:
+        entry = self.catalog.remove(cid)
+        if entry is None:
+            return
+        t = entry.tier
+        tier = self.tiers[t]
+        self.residency[t].remove(cid)
+        tier.release(entry.length)
+        if tier.inline:
+            tier.punch(cid[0], cid[1] * self.chunk_size, entry.length)
+        else:
+            await self.devices[t].run(tier.punch, cid[0], cid[1] * self.chunk_size, entry.length)
+        if t == self.persistent_tier and self.ssd_catalog is not None:
+            self.ssd_catalog.record_remove(cid)
+        self._maybe_remove_file(t, cid[0])
+
+    def _maybe_remove_file(self, t: int, key: str) -> None:
+        if not self.catalog.file_has_tier(key, t) and not any(
+            c[0] == key for c in self._moving
+        ):
+            self.tiers[t].remove_file(key)
+
+    async def drop_file(self, key: str) -> int:
+        """Forget every cached chunk of a file identity (the backing file changed). Returns
+        the number of chunks dropped."""
+        for cid in [c for c in self.staging if c[0] == key]:
+            self._unstage(cid)
+        idxs = self.catalog.chunks_of(key)
+        for idx in idxs:
+            entry = self.catalog.get((key, idx))
+            if entry is not None and entry.pins == 0:
+                await self._drop_chunk((key, idx))
+        return len(idxs)
+
+    # -- persistence -----------------------------------------------------------------------
+    def load_persistent(self) -> int:
+        """Restore the last tier's chunks from its catalog (blocking; call at mount time).
+
+        Chunks whose tier file is missing or too short are dropped; tier files nobody records
+        are deleted; recorded files get unrecorded ranges punched (a crash between a write and
+        the next catalog flush). Every restored chunk is verified against its checksum at its
+        first read. Returns the number of chunks restored.
+        """
+        if self.ssd_catalog is None:
+            return 0
+        t = self.persistent_tier
+        tier = self.tiers[t]
+        restored = 0
+        sizes: dict[str, int] = {}
+        for key, idx, length, checksum, freq in self.ssd_catalog.load():
+            if key not in sizes:
+                sizes[key] = tier_file_size(tier.file_path(key))
+            cid = (key, idx)
+            if sizes[key] < idx * self.chunk_size + length or not tier.reserve(length):
+                self.ssd_catalog.record_remove(cid)
+                continue
+            self.catalog.add(cid, ChunkEntry(t, length, checksum, verified=False))
+            self.policy.freq.set(cid, freq)
+            self.residency[t].add(cid)
+            restored += 1
+        for key in tier.existing_keys():
+            idxs = self.catalog.chunks_of(key)
+            if not idxs:
+                tier.remove_file(key)
+                continue
+            pos = 0
+            for idx in idxs:
+                if idx * self.chunk_size > pos:
+                    tier.punch(key, pos, idx * self.chunk_size - pos)
+                pos = idx * self.chunk_size + self.catalog.entries[(key, idx)].length
+            size = sizes.get(key, 0)
+            if size > pos:
+                tier.punch(key, pos, size - pos)
+        self.ssd_catalog.write(self.ssd_catalog.take_pending())
+        return restored
+
+    async def flush_catalog(self) -> None:
+        if self.ssd_catalog is not None:
+            batch = self.ssd_catalog.take_pending()
+            await self.devices[self.persistent_tier].run(self.ssd_catalog.write, batch)
+
+    async def run_flusher(self, interval: float = 2.0) -> None:
+        while True:
+            await trio.sleep(interval)
+            await self.flush_catalog()
+
+    def close(self) -> None:
+        if self.ssd_catalog is not None:
+            self.ssd_catalog.write(self.ssd_catalog.take_pending())
+            self.ssd_catalog.close()
+        for tier in self.tiers:
+            tier.close()
+
+    # -- introspection ---------------------------------------------------------------------
+    def residency_of(self, key: str, size: int) -> dict[str, int]:
+        """Bytes of a file identity resident per tier (for ``tierfs where``)."""
+        out = {t.name: 0 for t in self.tiers}
+        for idx in self.catalog.chunks_of(key):
+            e = self.catalog.entries[(key, idx)]
+            out[self.tiers[e.tier].name] += e.length
+        out["staging"] = sum(len(s.data) for c, s in self.staging.items() if c[0] == key)
+        return out
+
+    def statistics(self) -> CacheStats:
+        return CacheStats(
+            staging_bytes=self.staging_used,
+            staging_capacity_bytes=self.staging_capacity,
+            staging_hits=self.staging_hits,
+            backing_hits=self.backing_hits,
+            backing_bytes_served=self.backing_bytes_served,
+            prefetch_used_bytes=self.prefetch_used,
+            prefetch_wasted_bytes=self.prefetch_wasted,
+            placements=self.placements,
+            bypassed=self.bypassed,
+            checksum_failures=self.checksum_failures,
+            policy=self.policy.name,
+        )
+
+
+def tier_dir_usage(path: str) -> int:
+    """Bytes really allocated under a tier directory (for tests and ``doctor``)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total

@@ -1,0 +1,267 @@
+"""The ``tierfs`` command. Each subcommand is ``cmd_X(args) -> int`` so tests call them
+in-process through :func:`main`; only :func:`entry` exits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from tierfs.config import Config, load_toml, resolve
+from tierfs.errors import ConfigError, MountError, TierfsError
+from tierfs.units import format_size
+from tierfs_hints import wire
+
+log = logging.getLogger("tierfs")
+READY_TIMEOUT_S = 120  # loading a large SSD catalog can take a while
+
+
+def _mount_config(args: argparse.Namespace) -> Config:
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if args.config:
+        layers.append((f"config file {args.config}", load_toml(args.config)))
+    flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
+             "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth}
+    for opt in args.option or []:
+        for item in opt.split(","):
+            k, sep, v = item.partition("=")
+            if not sep:
+                raise ConfigError(f"-o {item!r}: expected key=value")
+            flags[k.strip()] = v.strip()
+    layers.append(("command line", {k: v for k, v in flags.items() if v is not None}))
+    cfg = resolve(layers)
+    cfg.backing = args.backing
+    cfg.mountpoint = args.mountpoint
+    return cfg
+
+
+def _setup_logging(level: str, path: str | None) -> None:
+    handler: logging.Handler = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from tierfs import mount as mount_mod
+
+    cfg = _mount_config(args)
+    plan = mount_mod.plan_mount(cfg)
+    if args.foreground or args.ready_fd is not None:
+        return _run_daemon(plan, args.ready_fd)
+    os.makedirs(plan.state_dir, exist_ok=True)
+    log_path = cfg.log_file or os.path.join(plan.state_dir, "daemon.log")
+    r, w = os.pipe()
+    argv = [sys.executable, "-m", "tierfs", *args.raw_argv, "--ready-fd", str(w)]
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=logf, start_new_session=True, close_fds=True)
+    os.close(w)
+    msg = b""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with os.fdopen(r, "rb") as rf:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([rf], [], [], 0.5)
+            if ready:
+                msg = rf.readline()
+                break
+            if proc.poll() is not None:
+                break
+    text = msg.decode().strip()
+    if text == "ok":
+        print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {log_path})")
+        return 0
+    if text.startswith("error:"):
+        print(f"tierfs: {text[6:].strip()}", file=sys.stderr)
+    else:
+        print(f"tierfs: the daemon did not start (exit {proc.poll()}); see {log_path}", file=sys.stderr)
+    if proc.poll() is None:
+        proc.terminate()
+    return 1
+
+
+def _run_daemon(plan: Any, ready_fd: int | None) -> int:
+    import trio
+
+    from tierfs import mount as mount_mod
+
+    cfg = plan.cfg
+    _setup_logging(cfg.log_level, cfg.log_file or None)
+    said = False
+
+    def ready(message: str | None) -> None:
+        nonlocal said
+        if said:
+            return
+        said = True
+        line = "ok\n" if message is None else f"error: {message}\n"
+        if ready_fd is not None:
+            os.write(ready_fd, line.encode())
+            os.close(ready_fd)
+        elif message is None:
+            print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (foreground)", flush=True)
+
+    try:
+        trio.run(mount_mod.serve, plan, ready)
+    except TierfsError as e:
+        ready(str(e))
+        log.error("%s", e)
+        return 1
+    except BaseException as e:
+        ready(f"daemon failed: {e!r}")
+        log.exception("daemon failed")
+        return 1
+    return 0
+
+
+def _control_path(mountpoint: str, name: str) -> str:
+    return os.path.join(mountpoint, wire.CONTROL_DIR, name)
+
+
+def _read_control(mountpoint: str, name: str) -> bytes:
+    try:
+        with open(_control_path(mountpoint, name), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})") from None
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from tierfs import mount as mount_mod
+
+    mnt = os.path.abspath(args.mountpoint)
+    try:
+        pid = int(_read_control(mnt, wire.PID_FILE))
+    except MountError:
+        if mount_mod.is_mounted(mnt):  # a dead daemon's mount
+            mount_mod.unmount(mnt, lazy=True)
+            print(f"tierfs: cleaned up the dead mount on {mnt}")
+            return 0
+        raise
+    if not mount_mod.unmount(mnt, lazy=args.lazy):
+        raise MountError(f"{mnt} is busy (files open?); close them or use --lazy")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 0
+        time.sleep(0.05)
+    print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
+    return 0
+
+
+def _table(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    s = doc["scheduler"]
+    c = doc["cache"]
+    console.print(f"[bold]tierfs[/] {doc['backing']} on {doc['mountpoint']}  up {doc['uptime_s']:.0f}s  "
+                  f"chunk {format_size(doc['chunk_size'])}  policy {c['policy']}  open files {doc['open_files']}")
+    t = Table(title="tiers")
+    for col in ("tier", "path", "used", "capacity", "use %", "hits", "misses", "hit ratio", "served",
+                "promoted", "demoted", "evicted"):
+        t.add_column(col, justify="left" if col in ("tier", "path") else "right")
+    for tier in doc["tiers"]:
+        cap = tier["capacity_bytes"]
+        t.add_row(tier["name"], tier["path"], format_size(tier["used_bytes"]), format_size(cap),
+                  f"{100 * tier['used_bytes'] / cap:.0f}" if cap else "-", str(tier["hits"]),
+                  str(tier["misses"]), f"{tier['hit_ratio']:.2f}", format_size(tier["bytes_served"]),
+                  str(tier["promotions"]), str(tier["demotions"]), str(tier["evictions"]))
+    st = doc["staging"]
+    t.add_row("staging", "(memory)", format_size(st["used_bytes"]), format_size(st["capacity_bytes"]),
+              "", str(st["hits"]), "", "", "", "", "", "")
+    t.add_row("backing", doc["backing"], "", "", "", "", "", "", format_size(c["bytes_served_from_backing"]),
+              "", "", "")
+    console.print(t)
+    q = s["queued"]
+    sched = Table(title="transaction scheduler (backing store)")
+    sched.add_column("metric")
+    sched.add_column("value", justify="right")
+    rows = [
+        ("queued demand / deadline / speculative", f"{q['demand']} / {q['deadline']} / {q['speculative']}"),
+        ("in flight (depth)", f"{s['in_flight']} ({s['depth']})"),
+        ("bytes read from backing", format_size(s["backing_bytes_read"])),
+        ("transfers (mean size)", f"{s['backing_reads']} ({format_size(s['mean_transfer_bytes'])})"),
+        ("busy fraction", f"{s['busy_fraction']:.2f}"),
+        ("demand wait mean / p99", f"{1000 * s['demand_wait_mean_s']:.1f} ms / {1000 * s['demand_wait_p99_s']:.1f} ms"),
+        ("prefetched used / wasted", f"{format_size(s['prefetch_used_bytes'])} / {format_size(s['prefetch_wasted_bytes'])}"),
+        ("bytes served from tiers", f"{100 * c['tier_byte_ratio']:.0f}%"),
+    ]
+    for k, v in rows:
+        sched.add_row(k, v)
+    console.print(sched)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    while True:
+        doc = json.loads(_read_control(mnt, wire.STATS_FILE))
+        if args.json:
+            print(json.dumps(doc, indent=1))
+        else:
+            if args.watch:
+                print("\x1b[2J\x1b[H", end="")
+            _table(doc)
+        if not args.watch:
+            return 0
+        sys.stdout.flush()
+        time.sleep(args.watch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierfs", description="Tiered FUSE filesystem for ML training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("mount", help="mount BACKING on MOUNTPOINT (returns once ready)")
+    m.add_argument("backing")
+    m.add_argument("mountpoint")
+    m.add_argument("--ram", help="RAM tier size, e.g. 16GiB (default: auto, see docs); 0 = none")
+    m.add_argument("--ssd", help="SSD tier DIR[:SIZE] (persistent across mounts)")
+    m.add_argument("--chunk-size", help="unit of caching, e.g. 4MiB")
+    m.add_argument("--eviction", help="nothrash (default) or lru")
+    m.add_argument("--depth", help="backing-store requests in flight (default 1)")
+    m.add_argument("--config", help="TOML file with the same options")
+    m.add_argument("-o", dest="option", action="append", help="key=value[,key=value] options")
+    m.add_argument("--log-level", help="debug, info, warning, error")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+    u = sub.add_parser("umount", help="unmount cleanly and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon")
+    u.set_defaults(func=cmd_umount)
+    s = sub.add_parser("stats", help="show tiers, hit rates and the scheduler")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print the versioned JSON document")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, help="refresh every N seconds (2)")
+    s.set_defaults(func=cmd_stats)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.raw_argv = [a for a in argv]
+    try:
+        return int(args.func(args))
+    except (ConfigError, MountError) as e:
+        print(f"tierfs: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

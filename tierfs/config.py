@@ -1,0 +1,198 @@
+"""One configuration schema for command-line flags, ``-o`` mount options and TOML files.
+
+Every option is a row of :data:`OPTIONS` (name, parser, default, unit and meaning). Values are
+validated at the door: an unknown key or a bad value raises :class:`~tierfs.errors.ConfigError`
+naming the key and what is allowed. :func:`resolve` records where each effective value came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierfs.errors import ConfigError
+from tierfs.units import parse_duration, parse_size
+
+MiB = 1 << 20
+
+
+def _positive_size(v: Any, key: str) -> int:
+    n = parse_size(v, key=key)
+    if n <= 0:
+        raise ConfigError(f"{key}: must be larger than 0, got {v!r}")
+    return n
+
+
+def _chunk_size(v: Any, key: str) -> int:
+    n = _positive_size(v, key)
+    if n % 4096 or n > 256 * MiB:
+        raise ConfigError(f"{key}: must be a multiple of 4KiB and at most 256MiB, got {v!r}")
+    return n
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any, str], int]:
+    def parse(v: Any, key: str) -> int:
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a whole number {lo}..{hi}, got {v!r}") from None
+        if not lo <= n <= hi or isinstance(v, bool):
+            raise ConfigError(f"{key}: expected a whole number {lo}..{hi}, got {v!r}")
+        return n
+
+    return parse
+
+
+def _ssd(v: Any, key: str) -> tuple[str, int | None] | None:
+    """``DIR`` or ``DIR:SIZE``; the size defaults by :func:`default_ssd_size`."""
+    if v in (None, "", "none", False):
+        return None
+    text = str(v)
+    path, sep, size = text.rpartition(":")
+    if sep and path:
+        return (path, _positive_size(size, key))
+    return (text, None)
+
+
+def _ram(v: Any, key: str) -> int | None:
+    """``SIZE``, ``0`` (no RAM tier) or ``auto`` (the default rule)."""
+    if v in (None, "auto"):
+        return None
+    return parse_size(v, key=key)
+
+
+def _str(v: Any, key: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{key}: expected a non-empty string, got {v!r}")
+    return v
+
+
+def _choice(*allowed: str) -> Callable[[Any, str], str]:
+    def parse(v: Any, key: str) -> str:
+        if str(v).lower() not in allowed:
+            raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {v!r}")
+        return str(v).lower()
+
+    return parse
+
+
+def _duration(v: Any, key: str) -> float:
+    return parse_duration(v, key=key)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any, str], Any]
+    default: Any
+    help: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("ram", _ram, None, "RAM tier capacity in bytes (e.g. 16GiB); 0 = no RAM tier; "
+           "default 'auto' = 25% of MemAvailable, at most half the free space of the RAM tier's filesystem"),
+    Option("ram_dir", _str, "/dev/shm", "directory (a tmpfs) under which the RAM tier lives"),
+    Option("ssd", _ssd, None, "SSD tier as DIR or DIR:SIZE; default size = 50% of the free space "
+           "of DIR's filesystem; persistent across mounts"),
+    Option("chunk_size", _chunk_size, 4 * MiB, "bytes: unit of residency, fetch and eviction"),
+    Option("slice_size", _positive_size, 32 * MiB, "bytes: longest single backing-store transfer; "
+           "a demand read waits at most one slice (32 MiB = ~180 ms at 180 MB/s)"),
+    Option("depth", _int_range(1, 64), 1, "backing-store requests in flight (1 for an HDD)"),
+    Option("readahead_max", _positive_size, 64 * MiB, "bytes: largest speculative readahead window per file"),
+    Option("staging", parse_size, 512 * MiB, "bytes: memory for fetched chunks that no tier admitted "
+           "(readahead that bypasses a full tier)"),
+    Option("eviction", _choice("nothrash", "lru"), "nothrash", "tier policy: nothrash (frequency "
+           "admission; no churn on epoch-shuffled data) or lru (the baseline, for comparison)"),
+    Option("read_ahead_kb", _int_range(0, 1 << 20), 1024, "KiB: kernel readahead of the mount, set "
+           "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
+    Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "daemon log level"),
+    Option("log_file", _str, "", "daemon log file (default: <ram tier dir>/daemon.log; stderr in the foreground)"),
+)
+OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass
+class Config:
+    """The effective configuration. Sizes in bytes, durations in seconds."""
+
+    backing: str = ""
+    mountpoint: str = ""
+    ram: int | None = None
+    ram_dir: str = "/dev/shm"
+    ssd: tuple[str, int | None] | None = None
+    chunk_size: int = 4 * MiB
+    slice_size: int = 32 * MiB
+    depth: int = 1
+    readahead_max: int = 64 * MiB
+    staging: int = 512 * MiB
+    eviction: str = "nothrash"
+    read_ahead_kb: int = 1024
+    attr_timeout: float = 1.0
+    log_level: str = "info"
+    log_file: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file. Raises ConfigError on a missing or malformed file."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path}: {e}") from None
+
+
+def resolve(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
+    """Merge option layers, later ones winning (e.g. ``[("config file", toml), ("flag", flags)]``).
+
+    Raises:
+        ConfigError: an unknown key (naming the allowed ones) or a bad value (naming the key).
+    """
+    cfg = Config()
+    for source, values in layers:
+        for key, raw in values.items():
+            if raw is None:
+                continue
+            name = key.replace("-", "_")
+            opt = OPTION_BY_NAME.get(name)
+            if opt is None:
+                allowed = ", ".join(o.name for o in OPTIONS)
+                raise ConfigError(f"unknown option {key!r} ({source}); allowed: {allowed}")
+            setattr(cfg, name, opt.parse(raw, key))
+            cfg.sources[name] = source
+    if cfg.slice_size < cfg.chunk_size:
+        raise ConfigError(f"slice_size ({cfg.slice_size}) must be at least chunk_size ({cfg.chunk_size})")
+    return cfg
+
+
+def mem_available() -> int:
+    """MemAvailable from /proc/meminfo, bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fs_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def default_ram_size(ram_dir: str) -> int:
+    """The documented rule: 25% of MemAvailable, at most half the free space of ``ram_dir``'s
+    filesystem (tmpfs pages count against the same memory), rounded down to 64 MiB, at least
+    64 MiB."""
+    size = min(mem_available() // 4, fs_free(ram_dir) // 2)
+    return max(64 * MiB, size // (64 * MiB) * (64 * MiB))
+
+
+def default_ssd_size(ssd_dir: str) -> int:
+    """50% of the free space of ``ssd_dir``'s filesystem, rounded down to 64 MiB."""
+    return max(64 * MiB, fs_free(ssd_dir) // 2 // (64 * MiB) * (64 * MiB))

@@ -1,0 +1,62 @@
+"""Typed errors of tierfs.
+
+Inner layers raise these; only the FUSE boundary (:mod:`tierfs.fs.operations`) maps them to an
+errno, and only the CLI turns :class:`ConfigError` / :class:`MountError` into a one-line message.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class TierfsError(Exception):
+    """Base class. ``errno`` is what the FUSE boundary answers for it."""
+
+    errno: int = _errno.EIO
+
+
+class ConfigError(TierfsError, ValueError):
+    """A bad flag, config key or value. The message names the key and what is allowed."""
+
+    errno = _errno.EINVAL
+
+
+class MountError(TierfsError):
+    """The mount cannot be set up (missing backing dir, busy mountpoint, no /dev/fuse, ...)."""
+
+
+class TierFull(TierfsError):
+    """A tier has no room for ``needed`` bytes. Never reaches a user: the cache falls back."""
+
+    errno = _errno.ENOSPC
+
+    def __init__(self, tier: str, needed: int) -> None:
+        super().__init__(f"tier {tier!r} has no room for {needed} bytes")
+        self.tier = tier
+        self.needed = needed
+
+
+class TierIOError(TierfsError):
+    """A tier's device failed (EIO, ENOSPC from outside, ...). The cache drops the chunk and
+    reads from the next tier or the backing store instead."""
+
+    def __init__(self, tier: str, err: OSError) -> None:
+        super().__init__(f"tier {tier!r}: {err}")
+        self.tier = tier
+        self.errno = err.errno or _errno.EIO
+
+
+class BackingIOError(TierfsError):
+    """The backing store failed for ``path``; carries the errno the user sees."""
+
+    def __init__(self, path: str, err: OSError) -> None:
+        super().__init__(f"backing store: {path}: {err.strerror or err}")
+        self.path = path
+        self.errno = err.errno or _errno.EIO
+
+
+class BackingChanged(TierfsError):
+    """The backing file changed (size/mtime/inode) while it was being read; the reader retries
+    against the new identity at its next open."""
+
+    errno = _errno.ESTALE

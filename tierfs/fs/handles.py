@@ -1,0 +1,52 @@
+"""Open file and directory handles."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+
+from tierfs.cache.manager import AccessState
+from tierfs.predict.readahead import ReadaheadState
+from tierfs.sched.backing import BackingFile
+
+
+@dataclass(eq=False)
+class FileHandle:
+    inode: int
+    file: BackingFile
+    access: AccessState = field(default_factory=AccessState)
+    readahead: ReadaheadState = field(default_factory=ReadaheadState)
+
+
+@dataclass(eq=False)
+class ControlHandle:
+    """An open control file: its content is a snapshot taken at open."""
+
+    data: bytes
+
+
+@dataclass(eq=False)
+class DirHandle:
+    inode: int
+    entries: list[tuple[bytes, os.stat_result]]
+
+
+Handle = FileHandle | ControlHandle | DirHandle
+
+
+class HandleTable:
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.handles: dict[int, Handle] = {}
+
+    def add(self, h: Handle) -> int:
+        fh = next(self._ids)
+        self.handles[fh] = h
+        return fh
+
+    def get(self, fh: int) -> Handle:
+        return self.handles[fh]
+
+    def pop(self, fh: int) -> Handle | None:
+        return self.handles.pop(fh, None)

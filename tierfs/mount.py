@@ -1,0 +1,285 @@
+"""Wiring of a mount: validation, tiers, scheduler, cache, FUSE session, clean shutdown.
+
+Everything is built in one function whose ``finally`` tears down what was set up (the FUSE
+session, the tiers' catalogs, the RAM tier's memory). ``trio.run`` is only called from the CLI.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import pyfuse3
+import trio
+import xxhash
+
+from tierfs import io
+from tierfs import stats as stats_mod
+from tierfs.cache.catalog import SsdCatalog
+from tierfs.cache.manager import Cache
+from tierfs.cache.policy import Policy
+from tierfs.cache.tier import Tier
+from tierfs.config import Config, default_ram_size, default_ssd_size
+from tierfs.errors import MountError
+from tierfs.fs.control import ControlPlane
+from tierfs.fs.inodes import InodeTable
+from tierfs.fs.operations import Operations
+from tierfs.predict.readahead import Readahead
+from tierfs.sched.backing import BackingFile
+from tierfs.sched.scheduler import TransactionScheduler
+from tierfs.units import format_size
+
+log = logging.getLogger("tierfs.mount")
+META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    name: str
+    path: str
+    capacity: int
+
+
+@dataclass(frozen=True)
+class MountPlan:
+    cfg: Config
+    backing: str
+    mountpoint: str
+    tiers: tuple[TierPlan, ...]
+    state_dir: str
+
+
+def mount_id(mountpoint: str) -> str:
+    return xxhash.xxh3_64_hexdigest(os.path.realpath(mountpoint).encode())[:12]
+
+
+def state_dir_for(mountpoint: str) -> str:
+    base = "/run/tierfs" if os.access("/run", os.W_OK) else "/tmp/tierfs"
+    return os.path.join(base, mount_id(mountpoint))
+
+
+def is_mounted(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 1 and fields[1].encode().decode("unicode_escape") == real:
+                return True
+    return False
+
+
+def unmount(path: str, *, lazy: bool = False) -> bool:
+    """``fusermount3 -u`` (``-z`` when lazy). True on success."""
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [path]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 and shutil.which("umount"):
+        r = subprocess.run(["umount"] + (["-l"] if lazy else []) + [path], capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def check_mountpoint(mountpoint: str) -> None:
+    """Raises MountError unless ``mountpoint`` is an empty directory nothing is mounted on.
+    A dead FUSE mount ("Transport endpoint is not connected") is cleaned up first."""
+    try:
+        st = os.stat(mountpoint)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            log.warning("%s: stale FUSE mount of a dead daemon; unmounting it", mountpoint)
+            if not unmount(mountpoint, lazy=True):
+                raise MountError(f"mountpoint {mountpoint} has a dead FUSE mount that could not be unmounted") from None
+            st = os.stat(mountpoint)
+        elif e.errno == errno.ENOENT:
+            raise MountError(f"mountpoint {mountpoint} does not exist") from None
+        else:
+            raise MountError(f"mountpoint {mountpoint}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MountError(f"mountpoint {mountpoint} is not a directory")
+    if is_mounted(mountpoint):
+        raise MountError(f"mountpoint {mountpoint} is already mounted")
+    if os.listdir(mountpoint):
+        raise MountError(f"mountpoint {mountpoint} is not empty")
+
+
+def _fs_size(path: str) -> int:
+    sv = os.statvfs(path)
+    return sv.f_blocks * sv.f_frsize
+
+
+def plan_mount(cfg: Config) -> MountPlan:
+    """Validate a configuration against the machine. Raises MountError / ConfigError."""
+    backing = os.path.abspath(cfg.backing)
+    mountpoint = os.path.abspath(cfg.mountpoint)
+    if not os.path.isdir(backing):
+        raise MountError(f"backing directory {cfg.backing} does not exist or is not a directory")
+    if not os.path.exists("/dev/fuse"):
+        raise MountError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE is available")
+    check_mountpoint(mountpoint)
+    if os.path.realpath(mountpoint).startswith(os.path.realpath(backing) + os.sep):
+        raise MountError("the mountpoint must not be inside the backing directory")
+    tiers: list[TierPlan] = []
+    ram = cfg.ram
+    if ram is None:
+        ram = default_ram_size(cfg.ram_dir)
+    if ram > 0:
+        if not os.path.isdir(cfg.ram_dir):
+            raise MountError(f"ram_dir {cfg.ram_dir} does not exist")
+        if ram > _fs_size(cfg.ram_dir):
+            raise MountError(f"RAM tier of {format_size(ram)} is larger than its filesystem "
+                             f"{cfg.ram_dir} ({format_size(_fs_size(cfg.ram_dir))})")
+        tiers.append(TierPlan("ram", os.path.join(cfg.ram_dir, "tierfs-" + mount_id(mountpoint)), ram))
+    if cfg.ssd is not None:
+        path, size = cfg.ssd
+        path = os.path.abspath(path)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise MountError(f"SSD tier directory {path}: {e.strerror}") from None
+        if os.path.realpath(path).startswith(os.path.realpath(mountpoint) + os.sep):
+            raise MountError("the SSD tier must not be inside the mountpoint")
+        if size is None:
+            size = default_ssd_size(path)
+        if size > _fs_size(path):
+            raise MountError(f"SSD tier of {format_size(size)} is larger than its filesystem "
+                             f"at {path} ({format_size(_fs_size(path))})")
+        tiers.append(TierPlan("ssd", path, size))
+    return MountPlan(cfg, backing, mountpoint, tuple(tiers), state_dir_for(mountpoint))
+
+
+def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
+    """A backing read, then a check that the file did not change under it (then its bytes are
+    served to this reader but never cached: ``f.stale``)."""
+    data = io.pread_exact(f.fd, length, offset)
+    st = os.fstat(f.fd)
+    if st.st_size != f.identity.size or st.st_mtime_ns != f.identity.mtime_ns:
+        f.stale = True
+    return data
+
+
+def _set_kernel_readahead(mountpoint: str, kb: int) -> str:
+    st = os.stat(mountpoint)
+    bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
+    with open(bdi, "w") as f:
+        f.write(str(kb))
+    return bdi
+
+
+def _lock_tier_dir(path: str) -> int:
+    fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MountError(f"tier directory {path} is in use by another tierfs daemon") from None
+    return fd
+
+
+async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
+    """Mount and serve until unmounted or signalled. ``ready(None)`` once the mount works,
+    ``ready(message)`` if setup fails (then the error is raised too)."""
+    cfg = plan.cfg
+    started = time.monotonic()
+    tiers: list[Tier] = []
+    devices: list[io.Device] = []
+    lock_fds: list[int] = []
+    ssd_catalog: SsdCatalog | None = None
+    for tp in plan.tiers:
+        os.makedirs(tp.path, exist_ok=True)
+        lock_fds.append(_lock_tier_dir(tp.path))
+        tier = Tier(tp.name, tp.path, tp.capacity, inline=tp.name == "ram")
+        if tp.name == "ram":
+            tier.wipe()  # a RAM tier never outlives its daemon
+        else:
+            ssd_catalog = SsdCatalog(os.path.join(tp.path, "catalog.sqlite"))
+        tiers.append(tier)
+        devices.append(io.Device(tp.name, 4))
+    backing_dev = io.Device("backing", cfg.depth)
+    meta = io.Device("backing-meta", META_THREADS)
+
+    async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
+        return await backing_dev.run(_read_checked, f, offset, length)
+
+    scheduler = TransactionScheduler(read_backing, chunk_size=cfg.chunk_size,
+                                     slice_size=cfg.slice_size, depth=cfg.depth)
+    total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
+    policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks))
+    cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
+                  staging_bytes=cfg.staging, ssd_catalog=ssd_catalog)
+    restored = await trio.to_thread.run_sync(cache.load_persistent)
+    if restored:
+        log.info("SSD tier: %d chunks restored from %s", restored, plan.tiers[-1].path)
+    inodes = InodeTable(os.fsencode(plan.backing), os.stat(plan.backing))
+
+    def render_stats() -> bytes:
+        doc = stats_mod.build(cache=cache, scheduler=scheduler, started=started,
+                              backing=plan.backing, mountpoint=plan.mountpoint,
+                              chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
+                              inodes=len(inodes))
+        return json.dumps(doc, indent=1).encode() + b"\n"
+
+    def render_config() -> bytes:
+        d = asdict(cfg)
+        d["tiers"] = [asdict(t) for t in plan.tiers]
+        return json.dumps(d, indent=1).encode() + b"\n"
+
+    control = ControlPlane({"stats.json": render_stats, "pid": lambda: f"{os.getpid()}\n".encode(),
+                            "config.json": render_config})
+    ops = Operations(inodes=inodes, cache=cache, readahead=Readahead(cfg.chunk_size, cfg.readahead_max),
+                     control=control, meta=meta, attr_timeout=cfg.attr_timeout)
+    options = {"fsname=tierfs", "subtype=tierfs", "ro", "default_permissions", "noatime"}
+    try:
+        pyfuse3.init(ops, plan.mountpoint, options)
+    except RuntimeError as e:
+        raise MountError(f"FUSE mount of {plan.mountpoint} failed: {e}") from None
+    unmounted_cleanly = False
+    try:
+        async with trio.open_nursery() as nursery:
+            cache.attach(nursery)
+            ops.nursery = nursery
+            await nursery.start(scheduler.run)
+            nursery.start_soon(cache.run_flusher)
+
+            async def fuse_main() -> None:
+                await pyfuse3.main()
+                nursery.cancel_scope.cancel()
+
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                    async for sig in sigs:
+                        log.info("signal %s: unmounting", signal.Signals(sig).name)
+                        pyfuse3.terminate()
+                        return
+
+            nursery.start_soon(fuse_main)
+            nursery.start_soon(on_signal)
+            if cfg.read_ahead_kb:
+                try:
+                    bdi = await trio.to_thread.run_sync(_set_kernel_readahead, plan.mountpoint, cfg.read_ahead_kb)
+                    log.info("kernel readahead %d KiB (%s)", cfg.read_ahead_kb, bdi)
+                except OSError as e:
+                    log.warning("could not raise kernel readahead (needs root): %s", e)
+            log.info("mounted %s on %s; tiers: %s", plan.backing, plan.mountpoint,
+                     ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none")
+            ready(None)
+        unmounted_cleanly = True
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        except Exception as e:  # noqa: BLE001 - teardown must go on
+            log.warning("closing the FUSE session: %s", e)
+        cache.close()
+        for fd in lock_fds:
+            os.close(fd)
+        for tp in plan.tiers:
+            if tp.name == "ram":
+                shutil.rmtree(tp.path, ignore_errors=True)
+        log.info("unmounted %s%s", plan.mountpoint, "" if unmounted_cleanly else " (after an error)")

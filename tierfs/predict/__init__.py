@@ -1,0 +1,1 @@
+"""Prediction of what is read next: sequential readahead (hints and epoch structure: issue 4)."""

@@ -1,0 +1,1 @@
+"""The transaction scheduler: the only code that does data I/O on the backing store."""

@@ -1,0 +1,70 @@
+"""Open backing files, shared by all handles (and queued fetches) of one file identity."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import xxhash
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What makes cached bytes valid: a change of any field is a different file (design
+    invariant 6). ``mtime_ns`` catches in-place writes, ``ino`` catches rename-over."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+
+    @classmethod
+    def of(cls, path: str, st: os.stat_result) -> Identity:
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    @property
+    def key(self) -> str:
+        """Stable name of this identity: tier file name and catalog key (xxh3-64, hex)."""
+        raw = f"{self.path}\0{self.size}\0{self.mtime_ns}\0{self.ino}\0{self.dev}".encode(
+            "utf-8", "surrogateescape"
+        )
+        return xxhash.xxh3_64_hexdigest(raw)
+
+
+@dataclass(eq=False)
+class BackingFile:
+    """An open file of the backing store. ``refs`` counts handles and queued fetches; the fd is
+    closed when it drops to zero. ``order`` approximates the file's place on disk (device, inode:
+    ext4 and xfs allocate inodes near their data's block group), for the elevator."""
+
+    identity: Identity
+    fd: int
+    refs: int = 0
+    opens: int = 0  # open handles (refs also counts queued fetches)
+    stale: bool = False  # set when a fetch saw the file change under it
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.identity.key
+
+    @property
+    def size(self) -> int:
+        return self.identity.size
+
+    @property
+    def path(self) -> str:
+        return self.identity.path
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.identity.dev, self.identity.ino)
+
+    def acquire(self) -> None:
+        self.refs += 1
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs <= 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

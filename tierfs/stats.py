@@ -1,0 +1,73 @@
+"""The stats document: aggregates the ``statistics()`` records of each component.
+
+Versioned (``version``, :data:`tierfs_hints.wire.STATS_VERSION`); a field is only ever added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from tierfs.cache.manager import Cache
+from tierfs.sched.scheduler import TransactionScheduler
+from tierfs_hints.wire import STATS_VERSION
+
+
+def build(
+    *, cache: Cache, scheduler: TransactionScheduler, started: float, backing: str,
+    mountpoint: str, chunk_size: int, open_files: int, inodes: int
+) -> dict[str, Any]:
+    cs = cache.statistics()
+    ss = scheduler.statistics()
+    tiers = []
+    for t in cache.tiers:
+        d = dataclasses.asdict(t.statistics())
+        lookups = d["hits"] + d["misses"]
+        d["hit_ratio"] = d["hits"] / lookups if lookups else 0.0
+        tiers.append(d)
+    served_tiers = sum(t["bytes_served"] for t in tiers)
+    served_total = served_tiers + cs.backing_bytes_served
+    return {
+        "version": STATS_VERSION,
+        "uptime_s": time.monotonic() - started,
+        "backing": backing,
+        "mountpoint": mountpoint,
+        "chunk_size": chunk_size,
+        "open_files": open_files,
+        "inodes": inodes,
+        "tiers": tiers,
+        "staging": {
+            "used_bytes": cs.staging_bytes,
+            "capacity_bytes": cs.staging_capacity_bytes,
+            "hits": cs.staging_hits,
+        },
+        "cache": {
+            "policy": cs.policy,
+            "bytes_served_from_tiers": served_tiers,
+            "bytes_served_from_backing": cs.backing_bytes_served,
+            "tier_byte_ratio": served_tiers / served_total if served_total else 0.0,
+            "placements": cs.placements,
+            "bypassed": cs.bypassed,
+            "checksum_failures": cs.checksum_failures,
+        },
+        "scheduler": {
+            "queued": ss.queued,
+            "in_flight": ss.in_flight,
+            "depth": ss.depth,
+            "slice_bytes": ss.slice_bytes,
+            "backing_bytes_read": ss.backing_bytes_read,
+            "backing_reads": ss.backing_reads,
+            "chunks_fetched": ss.chunks_fetched,
+            "coalesced_chunks": ss.coalesced_chunks,
+            "mean_transfer_bytes": ss.backing_bytes_read / ss.backing_reads if ss.backing_reads else 0,
+            "busy_seconds": ss.busy_seconds,
+            "busy_fraction": ss.busy_fraction,
+            "demand_waits": ss.demand_waits,
+            "demand_wait_mean_s": ss.demand_wait_mean_s,
+            "demand_wait_p99_s": ss.demand_wait_p99_s,
+            "deadline_escalations": ss.deadline_escalations,
+            "prefetch_used_bytes": cs.prefetch_used_bytes,
+            "prefetch_wasted_bytes": cs.prefetch_wasted_bytes,
+        },
+    }
