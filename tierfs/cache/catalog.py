@@ -20,6 +20,15 @@ from tierfs.cache.policy import ChunkId
 SCHEMA_VERSION = 1
 
 
+def _to_sql(checksum: int) -> int:
+    """sqlite integers are signed 64-bit; xxh3-64 digests are unsigned."""
+    return checksum - (1 << 64) if checksum >= (1 << 63) else checksum
+
+
+def _from_sql(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
 @dataclass
 class ChunkEntry:
     """A resident chunk. ``tier`` indexes the cache's tier list (0 = fastest)."""
@@ -86,7 +95,8 @@ class SsdCatalog:
     def load(self) -> list[tuple[str, int, int, int, int]]:
         """All recorded chunks as (file_key, idx, length, checksum, freq)."""
         with self._lock:
-            return list(self._db.execute("SELECT file_key, idx, length, checksum, freq FROM chunk"))
+            rows = self._db.execute("SELECT file_key, idx, length, checksum, freq FROM chunk")
+            return [(k, i, n, _from_sql(c), f) for k, i, n, c, f in rows]
 
     # The event loop records changes in memory; flush() writes them in one transaction.
     def record_add(self, cid: ChunkId, length: int, checksum: int) -> None:
@@ -115,7 +125,7 @@ class SsdCatalog:
             self._db.executemany("DELETE FROM chunk WHERE file_key=? AND idx=?", list(dels))
             self._db.executemany(
                 "INSERT OR REPLACE INTO chunk VALUES (?, ?, ?, ?, ?)",
-                [(k, i, ln, ck, freqs.get((k, i), 1)) for (k, i), (ln, ck) in adds.items()],
+                [(k, i, ln, _to_sql(ck), freqs.get((k, i), 1)) for (k, i), (ln, ck) in adds.items()],
             )
             self._db.executemany(
                 "UPDATE chunk SET freq=? WHERE file_key=? AND idx=?",

@@ -500,14 +500,22 @@ class Cache:
             await self.devices[self.persistent_tier].run(self.ssd_catalog.write, batch)
 
     async def run_flusher(self, interval: float = 2.0) -> None:
+        """Write the SSD catalog every ``interval`` seconds. A failure is logged and retried
+        at the next interval (the records stay pending); it never stops the daemon."""
         while True:
             await trio.sleep(interval)
-            await self.flush_catalog()
+            try:
+                await self.flush_catalog()
+            except Exception:  # noqa: BLE001 - sqlite/disk errors must not kill the mount
+                log.exception("writing the SSD catalog failed; will retry")
 
     def close(self) -> None:
-        if self.ssd_catalog is not None:
-            self.ssd_catalog.write(self.ssd_catalog.take_pending())
-            self.ssd_catalog.close()
+        try:
+            if self.ssd_catalog is not None:
+                self.ssd_catalog.write(self.ssd_catalog.take_pending())
+                self.ssd_catalog.close()
+        except Exception:  # noqa: BLE001 - teardown goes on; reconcile fixes it next mount
+            log.exception("writing the SSD catalog at unmount failed")
         for tier in self.tiers:
             tier.close()
 

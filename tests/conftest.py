@@ -1,0 +1,141 @@
+"""Shared fixtures. ``tiermount`` mounts tierfs for real (a daemon process, as users run it) and
+always unmounts in one ``finally``: ``tierfs umount``, then ``fusermount3 -u -z``, then SIGKILL
+of the daemon; it then asserts the mount is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FUSE_OK = os.path.exists("/dev/fuse") and os.geteuid() == 0
+
+needs_fuse = pytest.mark.skipif(not FUSE_OK, reason="needs /dev/fuse and root")
+
+
+def tierfs_cmd(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the ``tierfs`` CLI as a user would (``python -m tierfs``)."""
+    r = subprocess.run([sys.executable, "-m", "tierfs", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+    if check and r.returncode != 0:
+        raise AssertionError(f"tierfs {' '.join(args)} failed ({r.returncode}): {r.stderr}{r.stdout}")
+    return r
+
+
+def is_mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == real for line in f if len(line.split()) > 1)
+
+
+@dataclass
+class Mount:
+    backing: Path
+    mnt: Path
+    ssd: Path | None
+    args: list[str] = field(default_factory=list)
+    pid: int = 0
+
+    def stats(self) -> dict:
+        return json.loads((self.mnt / ".tierfs" / "stats.json").read_bytes())
+
+    def tier(self, name: str) -> dict:
+        return next(t for t in self.stats()["tiers"] if t["name"] == name)
+
+    def start(self) -> None:
+        tierfs_cmd("mount", str(self.backing), str(self.mnt), *self.args)
+        self.pid = int((self.mnt / ".tierfs" / "pid").read_text())
+
+    def stop(self) -> None:
+        """Clean unmount; returns only when the daemon has exited."""
+        if is_mounted(self.mnt):
+            tierfs_cmd("umount", str(self.mnt))
+        self.pid = 0
+
+    def kill9(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        for _ in range(200):
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+
+
+def force_unmount(m: Mount) -> None:
+    try:
+        if is_mounted(m.mnt):
+            subprocess.run([sys.executable, "-m", "tierfs", "umount", str(m.mnt), "--timeout", "20"],
+                           capture_output=True, timeout=60, cwd=REPO)
+    finally:
+        if is_mounted(m.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mnt)], capture_output=True)
+        if m.pid:
+            try:
+                os.kill(m.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not is_mounted(m.mnt), f"{m.mnt} is still mounted"
+
+
+@pytest.fixture
+def tiermount(tmp_path: Path) -> Iterator:
+    """Factory: ``tiermount(ram="64MiB", ssd="128MiB", extra=[...])`` mounts ``tmp_path/back``
+    (created, for the test to fill first) on ``tmp_path/mnt`` and returns a :class:`Mount`."""
+    mounts: list[Mount] = []
+    (tmp_path / "back").mkdir(exist_ok=True)
+
+    def make(*, ram: str = "64MiB", ssd: str | None = None, extra: tuple[str, ...] = (),
+             backing: Path | None = None, name: str = "mnt") -> Mount:
+        mnt = tmp_path / name
+        mnt.mkdir(exist_ok=True)
+        args = ["--ram", ram]
+        ssd_dir = None
+        if ssd is not None:
+            ssd_dir = tmp_path / f"ssd-{name}"
+            args += ["--ssd", f"{ssd_dir}:{ssd}"]
+        m = Mount(backing or tmp_path / "back", mnt, ssd_dir, args + list(extra))
+        mounts.append(m)
+        m.start()
+        return m
+
+    try:
+        yield make
+    finally:
+        errors = []
+        for m in mounts:
+            try:
+                force_unmount(m)
+            except AssertionError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def write_random(path: Path, size: int, seed: int = 0) -> bytes:
+    """A file of ``size`` pseudo-random bytes (fast, reproducible)."""
+    import random
+
+    rnd = random.Random(seed)
+    data = rnd.randbytes(size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data
+
+
+def drop_page_cache(path: Path) -> None:
+    """Drop a file's pages from the page cache (POSIX_FADV_DONTNEED)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
