@@ -27,7 +27,7 @@ def build(
         d["hit_ratio"] = d["hits"] / lookups if lookups else 0.0
         tiers.append(d)
     served_tiers = sum(t["bytes_served"] for t in tiers)
-    served_total = served_tiers + cs.backing_bytes_served
+    served_total = served_tiers + cs.staging_bytes_served + cs.backing_bytes_served
     return {
         "version": STATS_VERSION,
         "uptime_s": time.monotonic() - started,
@@ -41,10 +41,12 @@ def build(
             "used_bytes": cs.staging_bytes,
             "capacity_bytes": cs.staging_capacity_bytes,
             "hits": cs.staging_hits,
+            "bytes_served": cs.staging_bytes_served,
         },
         "cache": {
             "policy": cs.policy,
             "bytes_served_from_tiers": served_tiers,
+            "bytes_served_from_staging": cs.staging_bytes_served,
             "bytes_served_from_backing": cs.backing_bytes_served,
             "tier_byte_ratio": served_tiers / served_total if served_total else 0.0,
             "placements": cs.placements,

@@ -58,6 +58,7 @@ class CacheStats:
     staging_bytes: int
     staging_capacity_bytes: int
     staging_hits: int
+    staging_bytes_served: int
     backing_hits: int
     backing_bytes_served: int
     prefetch_used_bytes: int
@@ -103,6 +104,7 @@ class Cache:
         self._moving: set[ChunkId] = set()
         self._nursery: trio.Nursery | None = None
         self.staging_hits = 0
+        self.staging_bytes_served = 0
         self.backing_hits = 0
         self.backing_bytes_served = 0
         self.prefetch_used = 0
@@ -149,19 +151,19 @@ class Cache:
             if first_touch:
                 for t in self.tiers:
                     t.misses += 1
-                first_touch = False
             staged = self.staging.get(cid)
             if staged is not None:
                 self.staging.move_to_end(cid)
                 self.staging_hits += 1
-                self._first_access(cid, staged, prior)
+                self.staging_bytes_served += n
+                self._staged_access(cid, staged, prior, first_touch)
                 return staged.data[start : start + n]
             data = await self.scheduler.fetch(f, idx, Klass.DEMAND)
             self.backing_hits += 1
             self.backing_bytes_served += n
             staged = self.staging.get(cid)
             if staged is not None:
-                self._first_access(cid, staged, prior)
+                self._staged_access(cid, staged, prior, True)
             return data[start : start + n]
 
     async def _read_resident(self, cid: ChunkId, entry: ChunkEntry, start: int, n: int) -> bytes | None:
@@ -207,12 +209,15 @@ class Cache:
             if self.policy.promotes(cid, None if room else victim):
                 self._spawn(self._promote, cid)
 
-    def _first_access(self, cid: ChunkId, staged: Staged, prior: int) -> None:
-        if staged.accessed:
+    def _staged_access(self, cid: ChunkId, staged: Staged, prior: int, first_touch: bool) -> None:
+        """A read of a staged chunk. Each new access (not each kernel-sized piece of one)
+        retries admission, so a chunk that keeps being read earns a tier."""
+        if not staged.accessed:
+            staged.accessed = True
+            if staged.speculative:
+                self.prefetch_used += len(staged.data)
+        elif not first_touch:
             return
-        staged.accessed = True
-        if staged.speculative:
-            self.prefetch_used += len(staged.data)
         if not staged.placing:
             staged.placing = True
             self._spawn(self._place_staged, cid, staged, prior)
@@ -520,6 +525,24 @@ class Cache:
             tier.close()
 
     # -- introspection ---------------------------------------------------------------------
+    def check(self) -> list[str]:
+        """Invariant violations (empty when healthy): capacity, accounting, residency."""
+        problems = []
+        for t, tier in enumerate(self.tiers):
+            entries = [(c, e) for c, e in self.catalog.entries.items() if e.tier == t]
+            accounted = sum(blocks(e.length) for _, e in entries)
+            if tier.used > tier.capacity:
+                problems.append(f"{tier.name}: used {tier.used} > capacity {tier.capacity}")
+            if accounted > tier.used:
+                problems.append(f"{tier.name}: catalog holds {accounted} bytes, accounted {tier.used}")
+            if not self._moving and accounted != tier.used:
+                problems.append(f"{tier.name}: catalog {accounted} != accounted {tier.used} at rest")
+            if len(self.residency[t]) != len(entries) or any(c not in self.residency[t] for c, _ in entries):
+                problems.append(f"{tier.name}: residency and catalog disagree")
+        if self.staging_used != sum(len(s.data) for s in self.staging.values()):
+            problems.append("staging accounting is off")
+        return problems
+
     def residency_of(self, key: str, size: int) -> dict[str, int]:
         """Bytes of a file identity resident per tier (for ``tierfs where``)."""
         out = {t.name: 0 for t in self.tiers}
@@ -534,6 +557,7 @@ class Cache:
             staging_bytes=self.staging_used,
             staging_capacity_bytes=self.staging_capacity,
             staging_hits=self.staging_hits,
+            staging_bytes_served=self.staging_bytes_served,
             backing_hits=self.backing_hits,
             backing_bytes_served=self.backing_bytes_served,
             prefetch_used_bytes=self.prefetch_used,

@@ -134,6 +134,7 @@ class TransactionScheduler:
         self._chunks = 0
         self._coalesced = 0
         self._escalations = 0
+        self._last_was_demand = False
         self._waits: list[float] = []
         self._wait_pos = 0
         self._wait_count = 0
@@ -198,19 +199,23 @@ class TransactionScheduler:
 
     # -- dispatching -----------------------------------------------------------------------
     def _pick(self) -> FetchRequest | None:
+        """The next request: DEMAND first; DEADLINE work whose deadline is within
+        ``escalate_s`` alternates 1:1 with DEMAND so a stream of reads cannot starve it; other
+        DEADLINE work in EDF order; SPECULATIVE only when nothing else is queued."""
         now = trio.current_time()
-        escalated = [
-            r for r in self._queues[Klass.DEADLINE].values()
-            if r.deadline - now <= self.escalate_s
-        ]
-        if self._queues[Klass.DEMAND] or escalated:
-            if escalated:
-                self._escalations += 1
-                return min(escalated, key=lambda r: (r.deadline, r.file.order, r.index))
-            return self._elevator(self._queues[Klass.DEMAND].values())
-        if self._queues[Klass.DEADLINE]:
-            return min(self._queues[Klass.DEADLINE].values(),
-                       key=lambda r: (r.deadline, r.file.order, r.index))
+        deadline_q = self._queues[Klass.DEADLINE]
+        demand_q = self._queues[Klass.DEMAND]
+        edf_key = lambda r: (r.deadline, r.file.order, r.index)  # noqa: E731
+        escalated = [r for r in deadline_q.values() if r.deadline - now <= self.escalate_s]
+        if escalated and (not demand_q or self._last_was_demand):
+            self._escalations += 1
+            self._last_was_demand = False
+            return min(escalated, key=edf_key)
+        if demand_q:
+            self._last_was_demand = True
+            return self._elevator(demand_q.values())
+        if deadline_q:
+            return min(deadline_q.values(), key=edf_key)
         if self._queues[Klass.SPECULATIVE]:
             return self._elevator(self._queues[Klass.SPECULATIVE].values())
         return None

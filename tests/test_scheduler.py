@@ -1,0 +1,202 @@
+"""Scheduler order, coalescing, single-flight and slicing, on trio's mock clock (no sleeps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierfs.sched.backing import BackingFile, Identity
+from tierfs.sched.scheduler import Klass, TransactionScheduler
+
+CS = 1 << 20  # 1 MiB chunks
+RATE = 100 * CS  # the fake disk: 100 MiB/s, plus 10 ms per transfer (a seek)
+SEEK = 0.010
+
+
+def bfile(name: str, ino: int, size: int = 64 * CS) -> BackingFile:
+    return BackingFile(Identity(f"/b/{name}", size, 1, ino, 1), fd=-1)
+
+
+class FakeDisk:
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, int, float]] = []  # (name, first chunk, chunks, start)
+
+    async def read(self, f: BackingFile, offset: int, length: int) -> bytes:
+        self.log.append((f.path.rsplit("/", 1)[1], offset // CS, -(-length // CS), trio.current_time()))
+        await trio.sleep(SEEK + length / RATE)
+        return bytes(length)
+
+
+async def start(nursery: trio.Nursery, disk: FakeDisk, **kw) -> TransactionScheduler:  # type: ignore[no-untyped-def]
+    kw.setdefault("slice_size", 4 * CS)
+    sched = TransactionScheduler(disk.read, chunk_size=CS, **kw)
+    await nursery.start(sched.run)
+    return sched
+
+
+async def test_demand_before_deadline_before_speculative(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    a, b, c, busy = bfile("a", 1), bfile("b", 2), bfile("c", 3), bfile("busy", 4)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)
+        n.start_soon(sched.fetch, busy, 0)  # the disk is busy while the others queue up
+        await trio.testing.wait_all_tasks_blocked()
+        sched.submit(a, 10, Klass.SPECULATIVE)
+        sched.submit(b, 20, Klass.DEADLINE, deadline=trio.current_time() + 100)
+        n.start_soon(sched.fetch, c, 30, Klass.DEMAND)
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(1)
+        n.cancel_scope.cancel()
+    assert [name for name, *_ in disk.log] == ["busy", "c", "b", "a"]
+
+
+async def test_deadline_work_in_edf_order(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    files = [bfile(f"f{i}", 10 - i) for i in range(4)]
+    deadlines = [40.0, 10.0, 30.0, 20.0]
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS, escalate_s=0.0)
+        now = trio.current_time()
+        for f, d in zip(files, deadlines, strict=True):
+            sched.submit(f, 0, Klass.DEADLINE, deadline=now + d)
+        await trio.sleep(1)
+        n.cancel_scope.cancel()
+    assert [name for name, *_ in disk.log] == ["f1", "f3", "f2", "f0"]
+
+
+async def test_escalated_deadline_work_is_not_starved_by_demand(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    hot, wb = bfile("hot", 1, size=1000 * CS), bfile("wb", 2)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS, escalate_s=5.0)
+        sched.submit(wb, 0, Klass.DEADLINE, deadline=trio.current_time() + 1.0)
+        for i in range(20):  # a stream of demand reads
+            n.start_soon(sched.fetch, hot, i, Klass.DEMAND)
+        await trio.sleep(5)
+        n.cancel_scope.cancel()
+    order = [name for name, *_ in disk.log]
+    assert order.index("wb") <= 2, order
+
+
+async def test_elevator_sweeps_one_way(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f = bfile("f", 1, size=1000 * CS)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)
+        n.start_soon(sched.fetch, f, 500)  # occupies the disk; head moves to 501
+        await trio.testing.wait_all_tasks_blocked()
+        for idx in (900, 100, 600, 50, 700):
+            n.start_soon(sched.fetch, f, idx)
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(2)
+        n.cancel_scope.cancel()
+    assert [first for _, first, *_ in disk.log] == [500, 600, 700, 900, 50, 100]
+
+
+async def test_demand_coalesces_queued_readahead_up_to_one_slice(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f = bfile("f", 1)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=4 * CS)
+        for i in range(1, 10):
+            sched.submit(f, i, Klass.SPECULATIVE)
+        await sched.fetch(f, 0)
+        await trio.sleep(2)
+        n.cancel_scope.cancel()
+    assert [(first, cnt) for _, first, cnt, _ in disk.log] == [(0, 4), (4, 4), (8, 2)]
+    assert sched.statistics().coalesced_chunks == 7
+
+
+async def test_single_flight(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f = bfile("f", 1)
+    results: list[bytes] = []
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk)
+
+        async def reader() -> None:
+            results.append(await sched.fetch(f, 3))
+
+        for _ in range(8):
+            n.start_soon(reader)
+        await trio.sleep(1)
+        n.cancel_scope.cancel()
+    assert len(disk.log) == 1 and len(results) == 8
+
+
+async def test_demand_for_queued_readahead_raises_its_class(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    busy, f = bfile("busy", 1, size=1000 * CS), bfile("f", 2)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)
+        n.start_soon(sched.fetch, busy, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        sched.submit(f, 7, Klass.SPECULATIVE)
+        for i in range(1, 4):
+            sched.submit(busy, 100 + i, Klass.SPECULATIVE)
+        n.start_soon(sched.fetch, f, 7)  # a reader now waits for it
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(2)
+        n.cancel_scope.cancel()
+    assert [name for name, *_ in disk.log][:2] == ["busy", "f"]
+
+
+async def test_demand_waits_at_most_one_slice_behind_a_long_transfer(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    big, f = bfile("big", 1, size=256 * CS), bfile("f", 2)
+    slice_s = SEEK + 4 * CS / RATE
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=4 * CS)
+        for i in range(256):  # a 256 MiB prefetch
+            sched.submit(big, i, Klass.SPECULATIVE)
+        await trio.sleep(0.5)  # the transfer is under way
+        t0 = trio.current_time()
+        await sched.fetch(f, 0)
+        waited = trio.current_time() - t0
+        n.cancel_scope.cancel()
+    # at most the rest of the current slice, then its own transfer
+    assert waited <= slice_s + SEEK + CS / RATE + 1e-6, waited
+
+
+async def test_backing_error_reaches_every_waiter(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    from tierfs.errors import BackingIOError
+
+    async def failing(f: BackingFile, offset: int, length: int) -> bytes:
+        raise OSError(5, "Input/output error")
+
+    f = bfile("f", 1)
+    async with trio.open_nursery() as n:
+        sched = TransactionScheduler(failing, chunk_size=CS, slice_size=CS)
+        await n.start(sched.run)
+        with pytest.raises(BackingIOError) as e:
+            await sched.fetch(f, 0)
+        assert e.value.errno == 5
+        n.cancel_scope.cancel()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 15), st.sampled_from(list(Klass))),
+                min_size=1, max_size=40))
+def test_every_request_served_exactly_once_per_chunk(reqs) -> None:  # type: ignore[no-untyped-def]
+    """Property: whatever is queued, every chunk is read once (single-flight), nothing is read
+    that was not asked for, and no run crosses a slice."""
+
+    async def main() -> None:
+        disk = FakeDisk()
+        files = [bfile(f"f{i}", i + 1, size=16 * CS) for i in range(4)]
+        async with trio.open_nursery() as n:
+            sched = await start(n, disk, slice_size=3 * CS)
+            for fi, idx, klass in reqs:
+                sched.submit(files[fi], idx, klass, deadline=trio.current_time() + 5 if klass is Klass.DEADLINE else math.inf)
+            await trio.sleep(100)
+            n.cancel_scope.cancel()
+        read = [(name, first + k) for name, first, cnt, _ in disk.log for k in range(cnt)]
+        assert sorted(read) == sorted({(f"f{fi}", idx) for fi, idx, _ in reqs})
+        assert all(cnt <= 3 for _, _, cnt, _ in disk.log)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
