@@ -223,7 +223,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc = stats_mod.build(cache=cache, scheduler=scheduler, started=started,
                               backing=plan.backing, mountpoint=plan.mountpoint,
                               chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
-                              inodes=len(inodes))
+                              inodes=len(inodes),
+                              fuse_reads=(ops.reads, ops.read_bytes, ops.max_read))
         return json.dumps(doc, indent=1).encode() + b"\n"
 
     def render_config() -> bytes:

@@ -16,7 +16,8 @@ from tierfs_hints.wire import STATS_VERSION
 
 def build(
     *, cache: Cache, scheduler: TransactionScheduler, started: float, backing: str,
-    mountpoint: str, chunk_size: int, open_files: int, inodes: int
+    mountpoint: str, chunk_size: int, open_files: int, inodes: int,
+    fuse_reads: tuple[int, int, int] = (0, 0, 0),
 ) -> dict[str, Any]:
     cs = cache.statistics()
     ss = scheduler.statistics()
@@ -36,6 +37,12 @@ def build(
         "chunk_size": chunk_size,
         "open_files": open_files,
         "inodes": inodes,
+        "fuse": {
+            "read_requests": fuse_reads[0],
+            "read_request_bytes": fuse_reads[1],
+            "mean_read_request_bytes": fuse_reads[1] / fuse_reads[0] if fuse_reads[0] else 0,
+            "max_read_request_bytes": fuse_reads[2],
+        },
         "tiers": tiers,
         "staging": {
             "used_bytes": cs.staging_bytes,

@@ -311,10 +311,10 @@ class Cache:
                 continue
             checksum = xxhash.xxh3_64_intdigest(data) if t == self.persistent_tier else 0
             try:
-                if tier.inline:
-                    tier.write(cid[0], cid[1] * self.chunk_size, data)
-                else:
-                    await self.devices[t].run(tier.write, cid[0], cid[1] * self.chunk_size, data)
+                # Even on tmpfs a 4 MiB write costs ~3 ms of page allocation: measured at 25% of
+                # the event loop's time on a cold sequential read, so it runs in the tier's
+                # thread (reads of tmpfs stay inline; they are cheap).
+                await self.devices[t].run(tier.write, cid[0], cid[1] * self.chunk_size, data)
             except TierIOError as e:
                 tier.release(length)
                 self._tier_write_failed(t, cid, e)

@@ -101,6 +101,9 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.open_files: dict[str, BackingFile] = {}
         self.nursery = nursery
+        self.reads = 0  # FUSE read requests of data files
+        self.read_bytes = 0
+        self.max_read = 0
 
     # -- attributes ------------------------------------------------------------------------
     def _attrs(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
@@ -288,6 +291,9 @@ class Operations(pyfuse3.Operations):
                 return h.data[off : off + size]
             assert isinstance(h, FileHandle)
             f = h.file
+            self.reads += 1
+            self.read_bytes += size
+            self.max_read = max(self.max_read, size)
             if off >= f.size:
                 return b""
             # Queue readahead first: the scheduler then coalesces the demand fetch below with
