@@ -159,6 +159,9 @@ def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     """A backing read, then a check that the file did not change under it (then its bytes are
     served to this reader but never cached: ``f.stale``)."""
     data = io.pread_exact(f.fd, length, offset)
+    # The bytes now live in a tier (and the mount's page cache): a third copy in the backing
+    # store's page cache would only push useful pages out.
+    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
     st = os.fstat(f.fd)
     if st.st_size != f.identity.size or st.st_mtime_ns != f.identity.mtime_ns:
         f.stale = True
