@@ -1,0 +1,1 @@
+"""Data-loading helpers for training on tierfs: access hints, sampling and collation."""
