@@ -790,3 +790,18 @@ def test_specific_errors():
         block_causal_mask(torch.tensor([0, 2, 1]), 3)
     with pytest.raises(ValueError, match="past total_len"):
         block_causal_mask(torch.tensor([0, 4]), 3)
+
+
+def test_tokenizer_attention_mask_is_recomputed_not_refused() -> None:
+    """Hugging Face tokenizers return ``attention_mask`` per sample; it is dropped and the
+    batch mask recomputed (pad) or replaced by cu_seqlens (pack)."""
+    import torch
+
+    from tierfs_hints.collate import pack_collate, pad_collate
+
+    batch = [{"input_ids": torch.tensor([5, 6, 7]), "attention_mask": torch.ones(3, dtype=torch.long)},
+             {"input_ids": torch.tensor([8]), "attention_mask": torch.ones(1, dtype=torch.long)}]
+    out = pad_collate(batch)
+    assert out["attention_mask"].tolist() == [[True, True, True], [True, False, False]]
+    packed = pack_collate(batch)
+    assert "attention_mask" not in packed and packed["cu_seqlens"].tolist() == [0, 3, 4]

@@ -110,7 +110,7 @@ OPTIONS: tuple[Option, ...] = (
            "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
     Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "daemon log level"),
-    Option("log_file", _str, "", "daemon log file (default: <ram tier dir>/daemon.log; stderr in the foreground)"),
+    Option("log_file", _str, "", "daemon log file (default: /run/tierfs/<mount id>/daemon.log; stderr in the foreground)"),
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 

@@ -175,6 +175,13 @@ def _gather(
         raise ValueError(
             f"{who}: sample 0 is a {type(first).__name__}; expected a tensor, a mapping or a tuple of fields"
         )
+    if "attention_mask" in keys:
+        # A per-sample mask (a Hugging Face tokenizer's output, all ones for an unpadded sample)
+        # says nothing the lengths do not: drop it; pad_collate recomputes it for the batch and
+        # pack_collate replaces it with cu_seqlens.
+        j = keys.index("attention_mask")
+        del keys[j]
+        del raw_cols[j]
     for k in keys:
         if k in reserved:
             raise ValueError(
