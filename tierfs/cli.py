@@ -27,7 +27,9 @@ def _mount_config(args: argparse.Namespace) -> Config:
     if args.config:
         layers.append((f"config file {args.config}", load_toml(args.config)))
     flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
-             "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth}
+             "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
+             "write_tier": args.write_tier, "fsync": args.fsync,
+             "allow_other": True if args.allow_other else None}
     for opt in args.option or []:
         for item in opt.split(","):
             k, sep, v = item.partition("=")
@@ -94,6 +96,7 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
     from tierfs import mount as mount_mod
 
     cfg = plan.cfg
+    os.umask(0)  # modes come from the callers (the kernel has applied their umask)
     _setup_logging(cfg.log_level, cfg.log_file or None)
     said = False
 
@@ -146,6 +149,11 @@ def cmd_umount(args: argparse.Namespace) -> int:
             print(f"tierfs: cleaned up the dead mount on {mnt}")
             return 0
         raise
+    if args.flush:
+        reply = _command(mnt, {"op": "flush", "paths": []})
+        if not reply.get("ok"):
+            raise MountError(f"flush failed: {reply.get('error')}")
+        print(f"tierfs: {len(reply['waited'])} files written back")
     if not mount_mod.unmount(mnt, lazy=args.lazy):
         raise MountError(f"{mnt} is busy (files open?); close them or use --lazy")
     deadline = time.monotonic() + args.timeout
@@ -156,6 +164,43 @@ def cmd_umount(args: argparse.Namespace) -> int:
             return 0
         time.sleep(0.05)
     print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
+    return 0
+
+
+def _command(mountpoint: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Send one request to the daemon's control file and return its reply."""
+    path = _control_path(mountpoint, wire.CTL_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})") from None
+    try:
+        os.write(fd, json.dumps(request).encode() + b"\n")
+        reply = b""
+        while chunk := os.pread(fd, 1 << 20, len(reply)):
+            reply += chunk
+    finally:
+        os.close(fd)
+    return json.loads(reply)
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    mnt = os.path.abspath(args.mountpoint)
+    rel = []
+    for p in args.paths:
+        ap = os.path.abspath(p)
+        if not (ap + os.sep).startswith(mnt + os.sep):
+            raise MountError(f"{p} is not under the mount {mnt}")
+        rel.append(os.path.relpath(ap, mnt))
+    t0 = time.monotonic()
+    reply = _command(mnt, {"op": "flush", "paths": rel, "timeout": args.timeout})
+    if not reply.get("ok"):
+        print(f"tierfs: flush: {reply.get('error')}", file=sys.stderr)
+        return 1
+    waited = reply["waited"]
+    print(f"tierfs: {len(waited)} file(s) durable on the backing store after {time.monotonic() - t0:.1f}s")
+    for w in waited:
+        print(f"  {w}")
     return 0
 
 
@@ -230,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chunk-size", help="unit of caching, e.g. 4MiB")
     m.add_argument("--eviction", help="nothrash (default) or lru")
     m.add_argument("--depth", help="backing-store requests in flight (default 1)")
+    m.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
+    m.add_argument("--fsync", help="tier (default: fsync = durable on the write tier) or backing")
+    m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     m.add_argument("--config", help="TOML file with the same options")
     m.add_argument("-o", dest="option", action="append", help="key=value[,key=value] options")
     m.add_argument("--log-level", help="debug, info, warning, error")
@@ -239,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("umount", help="unmount cleanly and wait for the daemon to exit")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open")
+    u.add_argument("--flush", action="store_true", help="first wait until every dirty file is on the backing store")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon")
     u.set_defaults(func=cmd_umount)
     s = sub.add_parser("stats", help="show tiers, hit rates and the scheduler")
@@ -246,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the versioned JSON document")
     s.add_argument("--watch", type=float, nargs="?", const=2.0, help="refresh every N seconds (2)")
     s.set_defaults(func=cmd_stats)
+    f = sub.add_parser("flush", help="wait until written files are durable on the backing store")
+    f.add_argument("mountpoint")
+    f.add_argument("paths", nargs="*", help="files (default: every dirty file)")
+    f.add_argument("--timeout", type=float, default=1e9, help="seconds to wait at most")
+    f.set_defaults(func=cmd_flush)
     return p
 
 

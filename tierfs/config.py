@@ -79,6 +79,17 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
     return parse
 
 
+def _bool(v: Any, key: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).lower()
+    if text in ("1", "true", "yes", "on", ""):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true or false, got {v!r}")
+
+
 def _duration(v: Any, key: str) -> float:
     return parse_duration(v, key=key)
 
@@ -106,6 +117,13 @@ OPTIONS: tuple[Option, ...] = (
            "(readahead that bypasses a full tier)"),
     Option("eviction", _choice("nothrash", "lru"), "nothrash", "tier policy: nothrash (frequency "
            "admission; no churn on epoch-shuffled data) or lru (the baseline, for comparison)"),
+    Option("write_tier", _choice("auto", "ssd", "ram"), "auto", "tier that absorbs writes: ssd, ram, "
+           "or auto (the SSD tier if there is one, else RAM)"),
+    Option("writeback_deadline", _duration, 120.0, "seconds after close by which a written file "
+           "should be on the backing store (write-back starts at once when the disk is idle)"),
+    Option("fsync", _choice("tier", "backing"), "tier", "what fsync waits for: durable on the write "
+           "tier (tier) or on the backing store (backing)"),
+    Option("allow_other", _bool, False, "let users other than the mounting one use the mount"),
     Option("read_ahead_kb", _int_range(0, 1 << 20), 1024, "KiB: kernel readahead of the mount, set "
            "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
     Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
@@ -130,6 +148,10 @@ class Config:
     readahead_max: int = 64 * MiB
     staging: int = 512 * MiB
     eviction: str = "nothrash"
+    write_tier: str = "auto"
+    writeback_deadline: float = 120.0
+    fsync: str = "tier"
+    allow_other: bool = False
     read_ahead_kb: int = 1024
     attr_timeout: float = 1.0
     log_level: str = "info"

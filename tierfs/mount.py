@@ -38,6 +38,9 @@ from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.units import format_size
+from tierfs.writeback.journal import Journal
+from tierfs.writeback.manager import WriteBack
+from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
@@ -152,6 +155,12 @@ def plan_mount(cfg: Config) -> MountPlan:
             raise MountError(f"SSD tier of {format_size(size)} is larger than its filesystem "
                              f"at {path} ({format_size(_fs_size(path))})")
         tiers.append(TierPlan("ssd", path, size))
+    if not tiers:
+        raise MountError("no tier: give --ram SIZE or --ssd DIR (writes need a write tier)")
+    if cfg.write_tier == "ssd" and not any(t.name == "ssd" for t in tiers):
+        raise MountError("write_tier=ssd needs an SSD tier (--ssd DIR)")
+    if cfg.write_tier == "ram" and not any(t.name == "ram" for t in tiers):
+        raise MountError("write_tier=ram needs a RAM tier (--ram SIZE)")
     return MountPlan(cfg, backing, mountpoint, tuple(tiers), state_dir_for(mountpoint))
 
 
@@ -211,8 +220,12 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
         return await backing_dev.run(_read_checked, f, offset, length)
 
+    async def run_backing_io(fn):  # type: ignore[no-untyped-def]
+        return await backing_dev.run(fn)
+
     scheduler = TransactionScheduler(read_backing, chunk_size=cfg.chunk_size,
-                                     slice_size=cfg.slice_size, depth=cfg.depth)
+                                     slice_size=cfg.slice_size, depth=cfg.depth,
+                                     run_io=run_backing_io)
     total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
     policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks))
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
@@ -221,9 +234,47 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     if restored:
         log.info("SSD tier: %d chunks restored from %s", restored, plan.tiers[-1].path)
     inodes = InodeTable(os.fsencode(plan.backing), os.stat(plan.backing))
+    names = [t.name for t in plan.tiers]
+    wt_name = cfg.write_tier if cfg.write_tier != "auto" else ("ssd" if "ssd" in names else "ram")
+    wt = names.index(wt_name)
+    writeback = WriteBack(
+        backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
+        scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
+        make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
+        fsync_backing=cfg.fsync == "backing")
+
+    async def ctl(request: bytes) -> bytes:
+        try:
+            req = json.loads(request)
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+            op = req.get("op")
+            if op == "flush":
+                paths = req.get("paths") or []
+                timeout = float(req.get("timeout", 1e9))
+                files = None
+                if paths:
+                    files = []
+                    for p in paths:
+                        rel = os.path.normpath(str(p)).lstrip("/").encode()  # noqa: ASYNC240 - pure string
+                        df = writeback.get(rel)
+                        if df is not None:
+                            files.append(df)
+                waited = await writeback.wait_durable(files, timeout)
+                reply = {"ok": True, "waited": waited}
+            else:
+                raise ValueError(f"unknown op {op!r}; known: flush")
+        except (ValueError, TypeError) as e:
+            log.warning("control request refused: %s", e)
+            reply = {"ok": False, "error": f"bad request: {e}"}
+        except TimeoutError:
+            reply = {"ok": False, "error": "timed out"}
+        except Exception as e:  # noqa: BLE001 - a control request never harms the daemon
+            reply = {"ok": False, "error": str(e)}
+        return json.dumps(reply).encode() + b"\n"
 
     def render_stats() -> bytes:
-        doc = stats_mod.build(cache=cache, scheduler=scheduler, started=started,
+        doc = stats_mod.build(cache=cache, scheduler=scheduler, writeback=writeback, started=started,
                               backing=plan.backing, mountpoint=plan.mountpoint,
                               chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
                               inodes=len(inodes),
@@ -236,10 +287,13 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         return json.dumps(d, indent=1).encode() + b"\n"
 
     control = ControlPlane({"stats.json": render_stats, "pid": lambda: f"{os.getpid()}\n".encode(),
-                            "config.json": render_config})
-    ops = Operations(inodes=inodes, cache=cache, readahead=Readahead(cfg.chunk_size, cfg.readahead_max),
+                            "config.json": render_config}, {wire.CTL_FILE: ctl})
+    ops = Operations(inodes=inodes, cache=cache, writeback=writeback,
+                     readahead=Readahead(cfg.chunk_size, cfg.readahead_max),
                      control=control, meta=meta, attr_timeout=cfg.attr_timeout)
-    options = {"fsname=tierfs", "subtype=tierfs", "ro", "default_permissions", "noatime"}
+    options = {"fsname=tierfs", "subtype=tierfs", "default_permissions", "noatime"}
+    if cfg.allow_other:
+        options.add("allow_other")
     try:
         pyfuse3.init(ops, plan.mountpoint, options)
     except RuntimeError as e:
@@ -251,6 +305,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             ops.nursery = nursery
             await nursery.start(scheduler.run)
             nursery.start_soon(cache.run_flusher)
+            recovered = await writeback.recover()
+            if recovered:
+                log.warning("recovery after a crash: %d dirty files will be written back", recovered)
+            await nursery.start(writeback.run)
 
             async def fuse_main() -> None:
                 await pyfuse3.main()
@@ -280,10 +338,18 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             pyfuse3.close(unmount=True)
         except Exception as e:  # noqa: BLE001 - teardown must go on
             log.warning("closing the FUSE session: %s", e)
+        pending = writeback.statistics().dirty_files
+        writeback.close()
         cache.close()
         for fd in lock_fds:
             os.close(fd)
+        if pending:
+            log.info("%d dirty files stay in the %s tier; write-back resumes at the next mount",
+                     pending, writeback.tier.name)
         for tp in plan.tiers:
             if tp.name == "ram":
-                shutil.rmtree(tp.path, ignore_errors=True)
+                # cached data is freed; dirty files (and their journal) stay for the next mount
+                shutil.rmtree(os.path.join(tp.path, "data"), ignore_errors=True)
+                if not pending:
+                    shutil.rmtree(tp.path, ignore_errors=True)
         log.info("unmounted %s%s", plan.mountpoint, "" if unmounted_cleanly else " (after an error)")

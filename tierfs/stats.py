@@ -11,11 +11,12 @@ from typing import Any
 
 from tierfs.cache.manager import Cache
 from tierfs.sched.scheduler import TransactionScheduler
+from tierfs.writeback.manager import WriteBack
 from tierfs_hints.wire import STATS_VERSION
 
 
 def build(
-    *, cache: Cache, scheduler: TransactionScheduler, started: float, backing: str,
+    *, cache: Cache, scheduler: TransactionScheduler, writeback: WriteBack, started: float, backing: str,
     mountpoint: str, chunk_size: int, open_files: int, inodes: int,
     fuse_reads: tuple[int, int, int] = (0, 0, 0),
 ) -> dict[str, Any]:
@@ -29,8 +30,10 @@ def build(
         tiers.append(d)
     served_tiers = sum(t["bytes_served"] for t in tiers)
     served_total = served_tiers + cs.staging_bytes_served + cs.backing_bytes_served
+    ws = dataclasses.asdict(writeback.statistics())
     return {
         "version": STATS_VERSION,
+        "writeback": ws,
         "uptime_s": time.monotonic() - started,
         "backing": backing,
         "mountpoint": mountpoint,
@@ -78,5 +81,7 @@ def build(
             "deadline_escalations": ss.deadline_escalations,
             "prefetch_used_bytes": cs.prefetch_used_bytes,
             "prefetch_wasted_bytes": cs.prefetch_wasted_bytes,
+            "io_tasks": ss.io_tasks,
+            "backing_bytes_written": ss.bytes_written,
         },
     }

@@ -361,6 +361,16 @@ class Cache:
             await self._evict(t, victim)
         return tier.room() >= need
 
+    async def evict_for(self, t: int, need: int) -> None:
+        """Evict clean chunks of tier ``t`` (demoting them where a slower tier admits them)
+        until ``need`` bytes are free or nothing more can go. Dirty data outranks any cached
+        chunk, so no admission test applies here."""
+        tier = self.tiers[t]
+        for victim in list(self.residency[t].victims(self._unmovable)):
+            if tier.room() >= need:
+                return
+            await self._evict(t, victim)
+
     async def _evict(self, t: int, cid: ChunkId) -> None:
         """Remove ``cid`` from tier ``t``, demoting it to a slower tier if one admits it."""
         entry = self.catalog.get(cid)
@@ -531,8 +541,8 @@ class Cache:
         for t, tier in enumerate(self.tiers):
             entries = [(c, e) for c, e in self.catalog.entries.items() if e.tier == t]
             accounted = sum(blocks(e.length) for _, e in entries)
-            if tier.used > tier.capacity:
-                problems.append(f"{tier.name}: used {tier.used} > capacity {tier.capacity}")
+            if tier.used + tier.dirty > tier.capacity:
+                problems.append(f"{tier.name}: used {tier.used} + dirty {tier.dirty} > capacity {tier.capacity}")
             if accounted > tier.used:
                 problems.append(f"{tier.name}: catalog holds {accounted} bytes, accounted {tier.used}")
             if not self._moving and accounted != tier.used:

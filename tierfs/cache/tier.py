@@ -34,6 +34,7 @@ class TierStats:
     path: str
     capacity_bytes: int
     used_bytes: int
+    dirty_bytes: int
     chunks: int
     hits: int
     misses: int
@@ -62,6 +63,7 @@ class Tier:
         self.effective_capacity = capacity  # lowered when the filesystem fills from outside
         self.inline = inline
         self.used = 0
+        self.dirty = 0  # bytes of dirty files (write tier), not evictable
         self.chunks = 0
         self.hits = 0
         self.misses = 0
@@ -78,12 +80,12 @@ class Tier:
 
     # -- accounting -------------------------------------------------------------------------
     def room(self) -> int:
-        return self.effective_capacity - self.used
+        return self.effective_capacity - self.used - self.dirty
 
     def reserve(self, length: int) -> bool:
         """Account ``length`` bytes if they fit; False otherwise (never over capacity)."""
         need = blocks(length)
-        if self.used + need > self.effective_capacity:
+        if self.used + self.dirty + need > self.effective_capacity:
             return False
         self.used += need
         self.chunks += 1
@@ -160,7 +162,8 @@ class Tier:
         return out
 
     def wipe(self) -> None:
-        """Remove all cached data (a RAM tier at mount time)."""
+        """Remove all cached data (a RAM tier at mount time). Dirty files (``dirty/``) and the
+        journal are not cached data and stay."""
         self.close()
         shutil.rmtree(self.data_dir, ignore_errors=True)
         os.makedirs(self.data_dir, exist_ok=True)
@@ -175,7 +178,7 @@ class Tier:
 
     def statistics(self) -> TierStats:
         return TierStats(
-            name=self.name, path=self.path, capacity_bytes=self.capacity, used_bytes=self.used,
+            name=self.name, path=self.path, capacity_bytes=self.capacity, used_bytes=self.used, dirty_bytes=self.dirty,
             chunks=self.chunks, hits=self.hits, misses=self.misses, bytes_served=self.bytes_served,
             promotions=self.promotions, demotions=self.demotions, evictions=self.evictions,
             errors=self.errors, full_events=self.full_events,

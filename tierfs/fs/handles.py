@@ -9,21 +9,31 @@ from dataclasses import dataclass, field
 from tierfs.cache.manager import AccessState
 from tierfs.predict.readahead import ReadaheadState
 from tierfs.sched.backing import BackingFile
+from tierfs.writeback.manager import DirtyFile
 
 
 @dataclass(eq=False)
 class FileHandle:
+    """An open regular file: reads come from ``dirty`` while the file has one, else from the
+    backing ``file`` through the cache. ``writer``: opened for writing; ``append``: O_APPEND."""
+
     inode: int
-    file: BackingFile
+    file: BackingFile | None = None
+    dirty: DirtyFile | None = None
+    writer: bool = False
+    append: bool = False
     access: AccessState = field(default_factory=AccessState)
     readahead: ReadaheadState = field(default_factory=ReadaheadState)
 
 
 @dataclass(eq=False)
 class ControlHandle:
-    """An open control file: its content is a snapshot taken at open."""
+    """An open control file: its content is a snapshot taken at open; a command file also
+    collects a request (written) and holds the reply (read back)."""
 
     data: bytes
+    name: bytes = b""
+    request: bytearray = field(default_factory=bytearray)
 
 
 @dataclass(eq=False)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyfuse3
+
+if TYPE_CHECKING:
+    from tierfs.writeback.manager import DirtyFile
 
 ROOT = pyfuse3.ROOT_INODE
 CONTROL_DIR = 2  # <mnt>/.tierfs
@@ -22,10 +26,11 @@ FIRST_DYNAMIC = 64
 @dataclass
 class InodeEntry:
     inode: int
-    path: bytes  # relative to the backing root; b"" for the root
-    dev_ino: tuple[int, int]
+    path: bytes | None  # relative to the backing root; b"" for the root; None once unlinked
+    dev_ino: tuple[int, int]  # backing (st_dev, st_ino); (-1, id) for a file not yet written back
     lookups: int = 0
     last_key: str | None = None  # identity key seen at the last open (change detection)
+    dirty: DirtyFile | None = None  # set while the file has changes not on the backing store
 
 
 class InodeTable:
@@ -44,10 +49,58 @@ class InodeTable:
         return self.by_inode[inode]
 
     def backing_path(self, entry: InodeEntry) -> bytes:
+        """Raises FileNotFoundError for an unlinked entry."""
+        if entry.path is None:
+            raise FileNotFoundError(2, "unlinked")
         return self.backing_root + b"/" + entry.path if entry.path else self.backing_root
 
+    def abs(self, path: bytes) -> bytes:
+        return self.backing_root + b"/" + path if path else self.backing_root
+
     def child_path(self, parent: InodeEntry, name: bytes) -> bytes:
+        if parent.path is None:
+            raise FileNotFoundError(2, "parent directory was removed")
         return parent.path + b"/" + name if parent.path else name
+
+    def remember_dirty(self, path: bytes, df: DirtyFile) -> InodeEntry:
+        """The inode of a dirty file (new, or a copy of a backing file); one lookup added."""
+        entry = self.by_inode.get(df.inode) if df.inode else None
+        if entry is None:
+            key = (-1, df.id)
+            entry = InodeEntry(self._next, path, key)
+            self._next += 1
+            self.by_inode[entry.inode] = entry
+            self.by_dev_ino[key] = entry
+        self.attach(entry, df)
+        entry.path = path
+        entry.lookups += 1
+        return entry
+
+    def attach(self, entry: InodeEntry, df: DirtyFile) -> None:
+        entry.dirty = df
+        df.inode = entry.inode
+
+    def rekey(self, entry: InodeEntry, dev_ino: tuple[int, int]) -> None:
+        """The entry's file now lives at another backing (st_dev, st_ino) (written back)."""
+        if self.by_dev_ino.get(entry.dev_ino) is entry:
+            del self.by_dev_ino[entry.dev_ino]
+        entry.dev_ino = dev_ino
+        self.by_dev_ino[dev_ino] = entry
+
+    def rename(self, old: bytes, new: bytes) -> None:
+        prefix = old + b"/"
+        for entry in self.by_inode.values():
+            p = entry.path
+            if p == old:
+                entry.path = new
+            elif p is not None and p.startswith(prefix):
+                entry.path = new + p[len(old):]
+
+    def detach(self, path: bytes) -> None:
+        """``path`` was unlinked: entries naming it keep working through open handles only."""
+        for entry in self.by_inode.values():
+            if entry.path == path:
+                entry.path = None
 
     def remember(self, path: bytes, st: os.stat_result) -> InodeEntry:
         """The inode for a backing object, created if new; one lookup is added."""
@@ -58,7 +111,7 @@ class InodeTable:
             self._next += 1
             self.by_inode[entry.inode] = entry
             self.by_dev_ino[key] = entry
-        elif entry.path != path and not os.path.lexists(self.backing_root + b"/" + entry.path):
+        elif entry.path != path and (entry.path is None or not os.path.lexists(self.abs(entry.path))):
             entry.path = path  # renamed behind our back
         entry.lookups += 1
         return entry

@@ -3,6 +3,12 @@
 This is the only place where tierfs errors and OSErrors become errnos (``FUSEError``): pyfuse3
 lets no other exception leave a handler.
 
+The mount shows the backing tree with the dirty files of :class:`~tierfs.writeback.manager.
+WriteBack` laid over it: a path with a dirty file shows the dirty file. Namespace operations on
+clean objects (mkdir, rename, unlink, chmod, ...) are applied to the backing store at once (they
+are metadata; no partial file can appear); file *data* is written to the write tier and written
+back later.
+
 Kernel caching, chosen for correctness first:
 * regular files: ``entry_timeout=0`` so every path resolution (every ``open``) asks the daemon,
   which re-stats the backing file; a change made behind tierfs' back is therefore seen by the
@@ -21,11 +27,12 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pyfuse3
 import trio
 
-from tierfs.cache.manager import Cache
+from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
@@ -33,10 +40,12 @@ from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile, Identity
+from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
 from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.fs")
 CONTROL_NAME = wire.CONTROL_DIR.encode()
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
 @contextmanager
@@ -53,6 +62,12 @@ def fuse_errors(what: str) -> Iterator[None]:
         raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
     except KeyError:
         raise pyfuse3.FUSEError(errno.ENOENT) from None
+    except trio.Cancelled:
+        raise
+    except Exception:
+        # A bug must cost one request, never the daemon (and every user of the mount).
+        log.exception("%s: unexpected error; answering EIO", what)
+        raise pyfuse3.FUSEError(errno.EIO) from None
 
 
 def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
@@ -64,23 +79,40 @@ def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
         raise
 
 
+def _lstat_or_none(path: bytes) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
 def _scandir(path: bytes) -> list[tuple[bytes, os.stat_result]]:
     out = []
     with os.scandir(path) as it:
         for de in it:
+            if is_tmp_name(de.name):
+                continue
             try:
                 out.append((de.name, de.stat(follow_symlinks=False)))
             except FileNotFoundError:
                 continue
-    out.sort()
     return out
+
+
+def _fsync_dir(path: bytes) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Operations(pyfuse3.Operations):
     """Args:
-        inodes, handles: the tables. cache: reads. readahead: per-handle prediction.
-        control: ``.tierfs`` files. meta: device for backing-store metadata calls (stat,
-        readdir, open), separate from the scheduler's data I/O. attr_timeout: seconds.
+        inodes: the inode table. cache: reads of clean files. writeback: dirty files.
+        readahead: per-handle prediction. control: ``.tierfs`` files. meta: device for
+        backing-store metadata calls (stat, readdir, open, rename, ...), separate from the
+        scheduler's data I/O. attr_timeout: seconds.
     """
 
     supports_dot_lookup = True
@@ -88,13 +120,15 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(
-        self, *, inodes: InodeTable, cache: Cache, readahead: Readahead, control: ControlPlane,
-        meta: Device, attr_timeout: float, nursery: trio.Nursery | None = None,
+        self, *, inodes: InodeTable, cache: Cache, writeback: WriteBack, readahead: Readahead,
+        control: ControlPlane, meta: Device, attr_timeout: float,
+        nursery: trio.Nursery | None = None,
     ) -> None:
         super().__init__()
         self.inodes = inodes
         self.handles = HandleTable()
         self.cache = cache
+        self.wb = writeback
         self.readahead = readahead
         self.control = control
         self.meta = meta
@@ -104,9 +138,12 @@ class Operations(pyfuse3.Operations):
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
+        self.writes = 0
+        self.write_bytes = 0
+        writeback.on_clean = self._on_clean
 
     # -- attributes ------------------------------------------------------------------------
-    def _attrs(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def _attrs(self, inode: int, st: os.stat_result, *, nlink: int | None = None) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode
         a.generation = 0
@@ -114,7 +151,7 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = self.attr_timeout if is_dir else 0
         a.attr_timeout = self.attr_timeout
         a.st_mode = st.st_mode
-        a.st_nlink = st.st_nlink
+        a.st_nlink = st.st_nlink if nlink is None else nlink
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
@@ -126,6 +163,9 @@ class Operations(pyfuse3.Operations):
         a.st_ctime_ns = st.st_ctime_ns
         return a
 
+    async def _dirty_attrs(self, entry: InodeEntry, df: DirtyFile) -> pyfuse3.EntryAttributes:
+        return self._attrs(entry.inode, await self.wb.stat(df), nlink=1 if df.path is not None else 0)
+
     def _control_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode
@@ -133,7 +173,8 @@ class Operations(pyfuse3.Operations):
             a.st_mode = stat.S_IFDIR | 0o555
             a.st_nlink = 2
         else:
-            a.st_mode = stat.S_IFREG | 0o444
+            cf = self.control.by_inode[inode]
+            a.st_mode = stat.S_IFREG | (0o666 if cf.command else 0o444)
             a.st_nlink = 1
         a.st_uid = os.getuid()
         a.st_gid = os.getgid()
@@ -145,9 +186,38 @@ class Operations(pyfuse3.Operations):
         return inode == CONTROL_DIR or inode in self.control.by_inode
 
     async def _lstat(self, entry: InodeEntry) -> os.stat_result:
+        if entry.path is None:
+            for h in self.handles.handles.values():  # unlinked but open: its descriptor knows
+                if isinstance(h, FileHandle) and h.inode == entry.inode and h.file is not None:
+                    st = os.fstat(h.file.fd)
+                    return st
+            raise FileNotFoundError(2, "unlinked")
         return await self.meta.run(os.lstat, self.inodes.backing_path(entry))
 
-    # -- namespace -------------------------------------------------------------------------
+    async def _entry_attrs(self, entry: InodeEntry) -> pyfuse3.EntryAttributes:
+        if entry.dirty is not None:
+            return await self._dirty_attrs(entry, entry.dirty)
+        return self._attrs(entry.inode, await self._lstat(entry))
+
+    async def _lookup_path(self, path: bytes) -> pyfuse3.EntryAttributes:
+        """Resolve a path of the merged view; one lookup is added to the inode returned."""
+        df = self.wb.get(path)
+        if df is not None:
+            entry = self.inodes.remember_dirty(path, df)
+            return await self._dirty_attrs(entry, df)
+        st = await self.meta.run(os.lstat, self.inodes.abs(path))
+        entry = self.inodes.remember(path, st)
+        if entry.dirty is not None and entry.dirty.state.value == "clean":
+            entry.dirty = None
+        return self._attrs(entry.inode, st)
+
+    async def _exists(self, path: bytes) -> os.stat_result | DirtyFile | None:
+        df = self.wb.get(path)
+        if df is not None:
+            return df
+        return await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+
+    # -- namespace: reading ------------------------------------------------------------------
     async def lookup(self, parent_inode, name, ctx=None):  # type: ignore[no-untyped-def,override]
         with fuse_errors("lookup"):
             if parent_inode == CONTROL_DIR:
@@ -157,6 +227,8 @@ class Operations(pyfuse3.Operations):
                 return self._control_attrs(cf.inode)
             if parent_inode == ROOT and name == CONTROL_NAME:
                 return self._control_attrs(CONTROL_DIR)
+            if is_tmp_name(name):
+                raise pyfuse3.FUSEError(errno.ENOENT)
             parent = self.inodes.get(parent_inode)
             if name == b".":
                 entry = parent
@@ -164,16 +236,14 @@ class Operations(pyfuse3.Operations):
                 entry.lookups += 1
                 return self._attrs(entry.inode, st)
             if name == b"..":
+                assert parent.path is not None
                 rel = os.path.dirname(parent.path)
-                st = await self.meta.run(os.lstat, self.inodes.backing_root + (b"/" + rel if rel else b""))
+                st = await self.meta.run(os.lstat, self.inodes.abs(rel))
                 entry = self.inodes.remember(rel, st) if rel else self.inodes.get(ROOT)
                 if not rel:
                     entry.lookups += 1
                 return self._attrs(entry.inode, st)
-            path = self.inodes.child_path(parent, name)
-            st = await self.meta.run(os.lstat, self.inodes.backing_root + b"/" + path)
-            entry = self.inodes.remember(path, st)
-            return self._attrs(entry.inode, st)
+            return await self._lookup_path(self.inodes.child_path(parent, name))
 
     async def forget(self, inode_list):  # type: ignore[no-untyped-def,override]
         for inode, n in inode_list:
@@ -183,8 +253,7 @@ class Operations(pyfuse3.Operations):
         with fuse_errors("getattr"):
             if self._is_control(inode):
                 return self._control_attrs(inode)
-            entry = self.inodes.get(inode)
-            return self._attrs(inode, await self._lstat(entry))
+            return await self._entry_attrs(self.inodes.get(inode))
 
     async def readlink(self, inode, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("readlink"):
@@ -200,23 +269,55 @@ class Operations(pyfuse3.Operations):
                 setattr(out, attr, getattr(sv, attr))
             return out
 
+    async def access(self, inode, mode, ctx):  # type: ignore[no-untyped-def,override]
+        return True  # default_permissions: the kernel checks modes
+
+    # -- xattrs ----------------------------------------------------------------------------
     async def getxattr(self, inode, name, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("getxattr"):
             if self._is_control(inode):
                 raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
-            path = self.inodes.backing_path(self.inodes.get(inode))
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                return await self.wb.xattr(entry.dirty, lambda fd: os.getxattr(fd, name))
+            path = self.inodes.backing_path(entry)
             return await self.meta.run(lambda: os.getxattr(path, name, follow_symlinks=False))
 
     async def listxattr(self, inode, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("listxattr"):
             if self._is_control(inode):
                 return []
-            path = self.inodes.backing_path(self.inodes.get(inode))
-            names = await self.meta.run(lambda: os.listxattr(path, follow_symlinks=False))
-            return [n.encode("utf-8", "surrogateescape") for n in names]
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                names = await self.wb.xattr(entry.dirty, os.listxattr)
+            else:
+                path = self.inodes.backing_path(entry)
+                names = await self.meta.run(lambda: os.listxattr(path, follow_symlinks=False))
+            return [n.encode("utf-8", "surrogateescape") for n in names]  # type: ignore[union-attr]
 
-    async def access(self, inode, mode, ctx):  # type: ignore[no-untyped-def,override]
-        return True  # default_permissions: the kernel checks modes
+    async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("setxattr"):
+            if self._is_control(inode):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                entry.dirty.touch()
+                await self.wb.xattr(entry.dirty, lambda fd: os.setxattr(fd, name, value))
+                return
+            path = self.inodes.backing_path(entry)
+            await self.meta.run(lambda: os.setxattr(path, name, value, follow_symlinks=False))
+
+    async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("removexattr"):
+            if self._is_control(inode):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                entry.dirty.touch()
+                await self.wb.xattr(entry.dirty, lambda fd: os.removexattr(fd, name))
+                return
+            path = self.inodes.backing_path(entry)
+            await self.meta.run(lambda: os.removexattr(path, name, follow_symlinks=False))
 
     # -- directories -----------------------------------------------------------------------
     async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def,override]
@@ -224,10 +325,13 @@ class Operations(pyfuse3.Operations):
             if inode == CONTROL_DIR:
                 return self.handles.add(DirHandle(inode, []))
             entry = self.inodes.get(inode)
-            entries = await self.meta.run(_scandir, self.inodes.backing_path(entry))
+            assert entry.path is not None
+            listing: dict[bytes, Any] = dict(await self.meta.run(_scandir, self.inodes.backing_path(entry)))
+            for name, df in self.wb.children(entry.path):
+                listing[name] = df  # a dirty file shadows the backing one
             if inode == ROOT:
-                entries = [e for e in entries if e[0] != CONTROL_NAME]
-            return self.handles.add(DirHandle(inode, entries))
+                listing.pop(CONTROL_NAME, None)
+            return self.handles.add(DirHandle(inode, sorted(listing.items())))
 
     async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def,override]
         with fuse_errors("readdir"):
@@ -242,10 +346,18 @@ class Operations(pyfuse3.Operations):
                 return
             parent = self.inodes.get(h.inode)
             for i in range(start_id, len(h.entries)):
-                name, st = h.entries[i]
-                entry = self.inodes.remember(self.inodes.child_path(parent, name), st)
+                name, obj = h.entries[i]
+                path = self.inodes.child_path(parent, name)
+                if isinstance(obj, DirtyFile):
+                    if obj.path != path:
+                        continue  # renamed or unlinked since opendir
+                    entry = self.inodes.remember_dirty(path, obj)
+                    attrs = await self._dirty_attrs(entry, obj)
+                else:
+                    entry = self.inodes.remember(path, obj)
+                    attrs = self._attrs(entry.inode, obj)
                 entry.lookups -= 1  # counted only if the kernel takes the entry
-                if not pyfuse3.readdir_reply(token, name, self._attrs(entry.inode, st), i + 1):
+                if not pyfuse3.readdir_reply(token, name, attrs, i + 1):
                     self.inodes.forget(entry.inode, 0)
                     return
                 entry.lookups += 1
@@ -253,36 +365,244 @@ class Operations(pyfuse3.Operations):
     async def releasedir(self, fh):  # type: ignore[no-untyped-def,override]
         self.handles.pop(fh)
 
+    async def fsyncdir(self, fh, datasync):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("fsyncdir"):
+            h = self.handles.get(fh)
+            if isinstance(h, DirHandle) and h.inode != CONTROL_DIR:
+                await self.meta.run(_fsync_dir, self.inodes.backing_path(self.inodes.get(h.inode)))
+
+    async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("mkdir"):
+            path = self._new_child(parent_inode, name)
+            p = self.inodes.abs(path)
+
+            def make() -> None:
+                os.mkdir(p, mode & 0o7777)
+                os.chmod(p, mode & 0o7777)
+                os.lchown(p, ctx.uid, ctx.gid)
+
+            if self.wb.get(path) is not None:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            await self.meta.run(make)
+            return await self._lookup_path(path)
+
+    async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("rmdir"):
+            path = self._new_child(parent_inode, name)
+            if self.wb.get(path) is not None:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            if self.wb.has_children(path):
+                raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+            await self.meta.run(os.rmdir, self.inodes.abs(path))
+            self.inodes.detach(path)
+
+    def _new_child(self, parent_inode: int, name: bytes) -> bytes:
+        if parent_inode == CONTROL_DIR or (parent_inode == ROOT and name == CONTROL_NAME):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if is_tmp_name(name):
+            raise pyfuse3.FUSEError(errno.EINVAL)  # names tierfs reserves for write-back
+        return self.inodes.child_path(self.inodes.get(parent_inode), name)
+
+    async def symlink(self, parent_inode, name, target, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("symlink"):
+            path = self._new_child(parent_inode, name)
+            if self.wb.get(path) is not None:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            p = self.inodes.abs(path)
+
+            def make() -> None:
+                os.symlink(target, p)
+                os.lchown(p, ctx.uid, ctx.gid)
+
+            await self.meta.run(make)
+            return await self._lookup_path(path)
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("link"):
+            entry = self.inodes.get(inode)
+            new_path = self._new_child(new_parent_inode, new_name)
+            if await self._exists(new_path) is not None:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if entry.dirty is not None:
+                # A hard link shares one inode: put the file on the backing store first.
+                await self.wb.wait_durable([entry.dirty], timeout=float("inf"))
+            src = self.inodes.backing_path(entry)
+            await self.meta.run(os.link, src, self.inodes.abs(new_path), follow_symlinks=False)
+            return await self._lookup_path(new_path)
+
+    async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("unlink"):
+            path = self._new_child(parent_inode, name)
+            df = self.wb.get(path)
+            st = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+            if df is None and st is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            if st is not None and stat.S_ISDIR(st.st_mode) and df is None:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if df is not None:
+                await self.wb.unlink(df)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                await self.meta.run(os.unlink, self.inodes.abs(path))
+            self.inodes.detach(path)
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("rename"):
+            if flags & pyfuse3.RENAME_EXCHANGE:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            old = self._new_child(parent_inode_old, name_old)
+            new = self._new_child(parent_inode_new, name_new)
+            if old == new:
+                return
+            src = await self._exists(old)
+            if src is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            target = await self._exists(new)
+            if target is not None and flags & pyfuse3.RENAME_NOREPLACE:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            src_is_dir = isinstance(src, os.stat_result) and stat.S_ISDIR(src.st_mode)
+            if isinstance(target, os.stat_result) and stat.S_ISDIR(target.st_mode) and not src_is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            self.inodes.detach(new)
+            if isinstance(src, DirtyFile):
+                shadowed = await self.meta.run(_lstat_or_none, self.inodes.abs(old))
+                await self.wb.rename(src, new)
+                if shadowed is not None and not stat.S_ISDIR(shadowed.st_mode):
+                    await self.meta.run(os.unlink, self.inodes.abs(old))
+            else:
+                tdf = self.wb.get(new)
+                if tdf is not None:
+                    await self.wb.unlink(tdf)
+                await self.meta.run(os.rename, self.inodes.abs(old), self.inodes.abs(new))
+                if src_is_dir:
+                    self.wb.rename_dir(old, new)
+            self.inodes.rename(old, new)
+
+    # -- attributes ------------------------------------------------------------------------
+    async def setattr(self, inode, attr, fields, fh, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("setattr"):
+            if self._is_control(inode):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            entry = self.inodes.get(inode)
+            if fields.update_size:
+                df = await self._make_dirty(entry, truncate=attr.st_size == 0)
+                await self.wb.truncate(df, attr.st_size)
+            mode = attr.st_mode if fields.update_mode else None
+            uid = attr.st_uid if fields.update_uid else None
+            gid = attr.st_gid if fields.update_gid else None
+            times = None
+            if fields.update_atime or fields.update_mtime:
+                cur = await self._entry_attrs(entry)
+                times = (attr.st_atime_ns if fields.update_atime else cur.st_atime_ns,
+                         attr.st_mtime_ns if fields.update_mtime else cur.st_mtime_ns)
+            if mode is not None or uid is not None or gid is not None or times is not None:
+                if entry.dirty is not None:
+                    await self.wb.set_attrs(entry.dirty, mode=mode, uid=uid, gid=gid, times=times)
+                else:
+                    path = self.inodes.backing_path(entry)
+
+                    def apply() -> None:
+                        if mode is not None and not stat.S_ISLNK(os.lstat(path).st_mode):
+                            os.chmod(path, mode & 0o7777)
+                        if uid is not None or gid is not None:
+                            os.lchown(path, -1 if uid is None else uid, -1 if gid is None else gid)
+                        if times is not None:
+                            os.utime(path, ns=times, follow_symlinks=False)
+
+                    await self.meta.run(apply)
+            return await self._entry_attrs(entry)
+
     # -- files -----------------------------------------------------------------------------
+    async def _make_dirty(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
+        """The inode's dirty file, made from the backing file if it has none yet (a copy-up,
+        or an empty file when it is about to be truncated to zero)."""
+        if entry.dirty is not None and entry.dirty.state.value != "clean":
+            return entry.dirty
+        path = entry.path
+        if path is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        st = await self.meta.run(os.lstat, self.inodes.abs(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        if truncate or st.st_size == 0:
+            df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
+        else:
+            bf = await self._backing_file(self.inodes.abs(path))
+            access = AccessState()
+            try:
+                df = await self.wb.copy_up(
+                    path, st, lambda off, n: self.cache.read(bf, off, n, access), self.inodes.abs(path))
+            finally:
+                self._release_backing(bf)
+        self.inodes.attach(entry, df)
+        return df
+
+    async def _backing_file(self, path: bytes) -> BackingFile:
+        fd, st = await self.meta.run(_open_backing, path)
+        identity = Identity.of(os.fsdecode(path), st)
+        bf = self.open_files.get(identity.key)
+        if bf is None or bf.fd < 0:
+            bf = BackingFile(identity, fd)
+            self.open_files[identity.key] = bf
+        else:
+            os.close(fd)
+        bf.acquire()
+        bf.opens += 1
+        return bf
+
+    def _release_backing(self, f: BackingFile) -> None:
+        f.opens -= 1
+        if f.opens == 0:
+            # Nobody reads on: queued readahead of this file is waste.
+            self.cache.scheduler.cancel_speculative(f.key)
+            if self.open_files.get(f.key) is f:
+                del self.open_files[f.key]
+        f.release()
+
     async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("open"):
-            if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-                raise pyfuse3.FUSEError(errno.EROFS)
             if inode in self.control.by_inode:
-                data = self.control.by_inode[inode].render()
-                return pyfuse3.FileInfo(fh=self.handles.add(ControlHandle(data)), direct_io=True)
+                cf = self.control.by_inode[inode]
+                data = b"" if cf.command else cf.render()
+                h = ControlHandle(data, name=cf.name)
+                return pyfuse3.FileInfo(fh=self.handles.add(h), direct_io=True)
             entry = self.inodes.get(inode)
-            path = self.inodes.backing_path(entry)
-            fd, st = await self.meta.run(_open_backing, path)
-            identity = Identity.of(os.fsdecode(path), st)
-            key = identity.key
-            bf = self.open_files.get(key)
-            if bf is None or bf.fd < 0:
-                bf = BackingFile(identity, fd)
-                self.open_files[key] = bf
-            else:
-                os.close(fd)
-            bf.acquire()
-            bf.opens += 1
+            writer = bool(flags & _WRITE_FLAGS)
+            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND))
+            if writer or flags & os.O_TRUNC:
+                df = await self._make_dirty(entry, truncate=bool(flags & os.O_TRUNC))
+                if flags & os.O_TRUNC and df.size:
+                    await self.wb.truncate(df, 0)
+            df = entry.dirty if entry.dirty is not None and entry.dirty.state.value != "clean" else None
+            if df is not None:
+                h.dirty = df
+                self.wb.opened(df, writer)
+                return pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=True, direct_io=False)
+            bf = await self._backing_file(self.inodes.backing_path(entry))
+            h.file = bf
+            key = bf.key
             changed = entry.last_key is not None and entry.last_key != key
             if changed:
                 old = entry.last_key
-                log.info("backing file changed: %s; dropping its cached chunks", identity.path)
+                log.info("backing file changed: %s; dropping its cached chunks", bf.path)
                 if self.nursery is not None and old is not None:
                     self.nursery.start_soon(self.cache.drop_file, old)
             entry.last_key = key
-            fh = self.handles.add(FileHandle(inode, bf))
-            return pyfuse3.FileInfo(fh=fh, keep_cache=not changed, direct_io=False)
+            return pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=not changed, direct_io=False)
+
+    async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("create"):
+            path = self._new_child(parent_inode, name)
+            existing = await self._exists(path)
+            if existing is not None and flags & os.O_EXCL:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            df = await self.wb.create(path, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+            if isinstance(existing, os.stat_result):
+                self.inodes.detach(path)
+            entry = self.inodes.remember_dirty(path, df)
+            h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND))
+            self.wb.opened(df, True)
+            fi = pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=True, direct_io=False)
+            return fi, await self._dirty_attrs(entry, df)
 
     async def read(self, fh, off, size):  # type: ignore[no-untyped-def,override]
         with fuse_errors("read"):
@@ -290,10 +610,22 @@ class Operations(pyfuse3.Operations):
             if isinstance(h, ControlHandle):
                 return h.data[off : off + size]
             assert isinstance(h, FileHandle)
-            f = h.file
             self.reads += 1
             self.read_bytes += size
             self.max_read = max(self.max_read, size)
+            entry = self.inodes.by_inode.get(h.inode)
+            df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
+            if df is not None and (df.state.value != "clean" or df is h.dirty):
+                return await self.wb.read(df, off, size)
+            f = h.file
+            if f is None or (entry is not None and entry.last_key not in (None, f.key)):
+                # opened while dirty (or the file was written back since): read the backing file
+                if entry is None or entry.path is None:
+                    raise pyfuse3.FUSEError(errno.ESTALE)
+                if f is not None:
+                    self._release_backing(f)
+                f = h.file = await self._backing_file(self.inodes.backing_path(entry))
+                entry.last_key = f.key
             if off >= f.size:
                 return b""
             # Queue readahead first: the scheduler then coalesces the demand fetch below with
@@ -303,17 +635,55 @@ class Operations(pyfuse3.Operations):
                 self.cache.prefetch(f, ahead)
             return await self.cache.read(f, off, size, h.access)
 
-    async def release(self, fh):  # type: ignore[no-untyped-def,override]
-        h = self.handles.pop(fh)
-        if isinstance(h, FileHandle):
-            f = h.file
-            f.opens -= 1
-            if f.opens == 0:
-                # Nobody reads on: queued readahead of this file is waste.
-                self.cache.scheduler.cancel_speculative(f.key)
-                if self.open_files.get(f.key) is f:
-                    del self.open_files[f.key]
-            f.release()
+    async def write(self, fh, off, buf):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("write"):
+            h = self.handles.get(fh)
+            if isinstance(h, ControlHandle):
+                return await self._control_write(h, buf)
+            assert isinstance(h, FileHandle)
+            df = h.dirty
+            if df is None or not h.writer:
+                raise pyfuse3.FUSEError(errno.EBADF)
+            if h.append:
+                off = df.size
+            self.writes += 1
+            self.write_bytes += len(buf)
+            return await self.wb.write(df, off, buf)
 
     async def flush(self, fh):  # type: ignore[no-untyped-def,override]
         return None
+
+    async def fsync(self, fh, datasync):  # type: ignore[no-untyped-def,override]
+        with fuse_errors("fsync"):
+            h = self.handles.get(fh)
+            if isinstance(h, FileHandle) and h.dirty is not None and h.dirty.state.value != "clean":
+                await self.wb.fsync(h.dirty)
+
+    async def release(self, fh):  # type: ignore[no-untyped-def,override]
+        h = self.handles.pop(fh)
+        if isinstance(h, FileHandle):
+            if h.file is not None:
+                self._release_backing(h.file)
+            if h.dirty is not None:
+                await self.wb.closed(h.dirty, h.writer)
+
+    # -- control commands --------------------------------------------------------------------
+    async def _control_write(self, h: ControlHandle, buf: bytes) -> int:
+        cf = self.control.by_name[h.name]
+        if cf.command is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        h.request += buf
+        if h.request.endswith(b"\n"):
+            h.data = await cf.command(bytes(h.request))
+            h.request.clear()
+        return len(buf)
+
+    # -- write-back callbacks ----------------------------------------------------------------
+    def _on_clean(self, df: DirtyFile, st: os.stat_result | None) -> None:
+        entry = self.inodes.by_inode.get(df.inode)
+        if entry is None or entry.dirty is not df:
+            return
+        entry.dirty = None
+        if st is not None and df.path is not None:
+            self.inodes.rekey(entry, (st.st_dev, st.st_ino))
+            entry.last_key = Identity.of(os.fsdecode(self.inodes.abs(df.path)), st).key

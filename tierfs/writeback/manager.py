@@ -1,0 +1,684 @@
+"""Dirty files and their write-back.
+
+A file written through the mount lives whole in a *data file* of the write tier
+(``<tier>/dirty/<id>``) from its first write until it is written back; its attributes (mode,
+owner, times, xattrs) are the data file's own. ``close`` returns once the bytes are in the tier.
+When the last writer closes, the file is queued for write-back with a deadline
+(``writeback_deadline`` after close); the :class:`WriteBack` worker copies it in slices, as
+DEADLINE work of the transaction scheduler (so it yields to demand reads and escalates near its
+deadline), to a temporary name in the target's directory on the backing store, fsyncs it,
+copies the attributes, and renames it into place. The backing store therefore never shows a
+partial file under a final name (design invariant 4).
+
+A file that does not fit in the write tier (after clean chunks are evicted from it) is
+*written through*: its bytes so far are copied to the temporary file on the backing store, and
+later writes go there (as DEMAND work); close then only fsyncs and renames.
+
+Every step is recorded in the :class:`~tierfs.writeback.journal.Journal` before it is
+answered, so :meth:`WriteBack.recover` can resume after ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import trio
+
+from tierfs.cache.tier import Tier, blocks
+from tierfs.errors import BackingIOError, TierfsError
+from tierfs.io import Device, pread_exact, pwrite_all
+from tierfs.sched.scheduler import Klass, TransactionScheduler
+from tierfs.writeback.journal import Journal
+
+log = logging.getLogger("tierfs.writeback")
+TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from readdir
+RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
+
+
+def is_tmp_name(name: bytes) -> bool:
+    return name.startswith(TMP_PREFIX)
+
+
+class DirtyState(enum.Enum):
+    DIRTY = "dirty"
+    WRITING = "writing"
+    CLEAN = "clean"
+
+
+@dataclass(eq=False)
+class DirtyFile:
+    id: int
+    path: bytes | None  # relative to the backing root; None once unlinked
+    data_path: str
+    fd: int = -1  # the data file (or, written through, the temporary file on the backing store)
+    size: int = 0
+    inode: int = 0
+    writers: int = 0
+    handles: int = 0
+    gen: int = 0  # bumped by every change of content or attributes
+    durable_gen: int = -1
+    state: DirtyState = DirtyState.DIRTY
+    since: float = field(default_factory=time.monotonic)
+    deadline: float = math.inf
+    through: bool = False
+    tmp: bytes | None = None
+    accounted: int = 0  # bytes charged to the write tier
+    error: str | None = None
+    retry_at: float = 0.0
+    waiters: list[tuple[int, trio.Event]] = field(default_factory=list)
+    commit_lock: trio.Lock = field(default_factory=trio.Lock)
+
+    def touch(self) -> None:
+        self.gen += 1
+        if self.state is DirtyState.CLEAN:
+            self.state = DirtyState.DIRTY
+
+
+class _Abort(Exception):
+    """The file changed or vanished during its write-back: start again later."""
+
+
+@dataclass(frozen=True)
+class WriteBackStats:
+    dirty_files: int
+    dirty_bytes: int
+    oldest_dirty_age_s: float
+    writing: int
+    written_files: int
+    written_bytes: int
+    writeback_seconds: float
+    throughput_bytes_per_s: float
+    eta_s: float | None  # None: unknown yet (nothing written back to measure the rate)
+    through_files: int
+    failures: int
+    next_deadline_s: float | None
+    write_tier: str
+
+
+# -- blocking helpers (device threads) ---------------------------------------------------------
+def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int, int] | None) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, mode & 0o7777)
+    os.fchown(fd, uid, gid)
+    if times is not None:
+        os.utime(fd, ns=times)
+    return fd
+
+
+def _copy_xattrs(src: int | bytes, dst: int) -> None:
+    try:
+        names = os.listxattr(src)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith("user."):
+            try:
+                os.setxattr(dst, n, os.getxattr(src, n))
+            except OSError:
+                pass
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    pwrite_all(dst, pread_exact(src, length, offset), offset)
+
+
+def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
+    """Size, attributes and xattrs of the data file onto the temporary file; fsync; close."""
+    try:
+        os.ftruncate(tmp_fd, size)
+        if src_fd != tmp_fd:
+            st = os.fstat(src_fd)
+            os.fchmod(tmp_fd, st.st_mode & 0o7777)
+            try:
+                os.fchown(tmp_fd, st.st_uid, st.st_gid)
+            except PermissionError:
+                pass
+            _copy_xattrs(src_fd, tmp_fd)
+            os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.fsync(tmp_fd)
+    finally:
+        if src_fd != tmp_fd:
+            os.close(tmp_fd)
+
+
+def _commit(tmp: bytes, final: bytes) -> os.stat_result:
+    """Rename into place and make the rename durable (fsync of the directory)."""
+    os.rename(tmp, final)
+    dfd = os.open(os.path.dirname(final) or b".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return os.lstat(final)
+
+
+def _unlink_quiet(path: bytes | str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class WriteBack:
+    """Args:
+        backing_root: the backing directory. tier: the write tier; tier_index: its index in
+        the cache. device: the write tier's device. scheduler: for every backing transfer.
+        make_room: evicts clean chunks from the write tier: ``await make_room(tier_index, n)``.
+        deadline_s: seconds from close to the write-back deadline. on_clean: called with the
+        file and the backing ``stat`` of its final path once it is written back.
+    """
+
+    def __init__(self, *, backing_root: bytes, tier: Tier, tier_index: int, device: Device,
+                 scheduler: TransactionScheduler, journal: Journal,
+                 make_room: Callable[[int, int], object], deadline_s: float,
+                 slice_size: int, fsync_backing: bool = False,
+                 on_clean: Callable[[DirtyFile, os.stat_result | None], None] | None = None) -> None:
+        self.root = backing_root
+        self.tier = tier
+        self.tier_index = tier_index
+        self.device = device
+        self.sched = scheduler
+        self.journal = journal
+        self.make_room = make_room
+        self.deadline_s = deadline_s
+        self.slice_size = slice_size
+        self.fsync_backing = fsync_backing
+        self.on_clean = on_clean
+        self.dirty_dir = os.path.join(tier.path, "dirty")
+        os.makedirs(self.dirty_dir, exist_ok=True)
+        self.files: dict[int, DirtyFile] = {}
+        self.by_path: dict[bytes, DirtyFile] = {}
+        self._wake = trio.Event()
+        self.written_files = 0
+        self.written_bytes = 0
+        self.writeback_seconds = 0.0
+        self.failures = 0
+
+    # -- lookup ----------------------------------------------------------------------------
+    def get(self, path: bytes) -> DirtyFile | None:
+        return self.by_path.get(path)
+
+    def children(self, dir_path: bytes) -> list[tuple[bytes, DirtyFile]]:
+        prefix = dir_path + b"/" if dir_path else b""
+        out = []
+        for p, df in self.by_path.items():
+            if p.startswith(prefix) and b"/" not in p[len(prefix):]:
+                out.append((p[len(prefix):], df))
+        return out
+
+    def has_children(self, dir_path: bytes) -> bool:
+        prefix = dir_path + b"/"
+        return any(p.startswith(prefix) for p in self.by_path)
+
+    # -- creating --------------------------------------------------------------------------
+    async def create(self, path: bytes, mode: int, uid: int, gid: int,
+                     times: tuple[int, int] | None = None) -> DirtyFile:
+        """A new, empty dirty file at ``path`` (replacing whatever the mount showed there)."""
+        old = self.by_path.get(path)
+        if old is not None:
+            await self.unlink(old)
+        id_ = self.journal.add(path)
+        data_path = os.path.join(self.dirty_dir, str(id_))
+        fd = await self.device.run(_create_data_file, data_path, mode, uid, gid, times)
+        df = DirtyFile(id_, path, data_path, fd=fd)
+        self.files[id_] = df
+        self.by_path[path] = df
+        return df
+
+    async def copy_up(self, path: bytes, st: os.stat_result, read: Callable[[int, int], object],
+                      xattr_src: bytes | None) -> DirtyFile:
+        """A dirty copy of an existing backing file, read through ``await read(offset, n)``."""
+        df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns))
+        if xattr_src is not None:
+            await self.device.run(_copy_xattrs, xattr_src, df.fd)
+        off = 0
+        while off < st.st_size:
+            n = min(self.slice_size, st.st_size - off)
+            data = await read(off, n)  # type: ignore[misc]
+            await self.write(df, off, data, touch_mtime=False)
+            off += n
+        if st.st_size:
+            await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
+        return df
+
+    # -- data ------------------------------------------------------------------------------
+    async def _charge(self, df: DirtyFile, new_size: int) -> bool:
+        """Charge the write tier for ``new_size``; False if it cannot hold the file."""
+        need = blocks(new_size) - df.accounted
+        if need <= 0:
+            return True
+        if self.tier.room() < need:
+            await self.make_room(self.tier_index, need)  # type: ignore[misc]
+        if self.tier.room() < need:
+            return False
+        self.tier.dirty += need
+        df.accounted += need
+        return True
+
+    def _uncharge(self, df: DirtyFile, new_size: int) -> None:
+        keep = blocks(new_size)
+        if keep < df.accounted:
+            self.tier.dirty -= df.accounted - keep
+            df.accounted = keep
+
+    async def write(self, df: DirtyFile, offset: int, data: bytes, touch_mtime: bool = True) -> int:
+        """Write at ``offset``. Raises OSError(ENOSPC) only if the backing store is full."""
+        end = offset + len(data)
+        if not df.through and end > df.size and not await self._charge(df, end):
+            await self._to_through(df)
+        df.touch()
+        if df.through:
+            await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+        else:
+            try:
+                await self.device.run(pwrite_all, df.fd, data, offset)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # The tier's filesystem filled from outside: write through instead.
+                await self._to_through(df)
+                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+        if end > df.size:
+            df.size = end
+        return len(data)
+
+    async def read(self, df: DirtyFile, offset: int, size: int) -> bytes:
+        if offset >= df.size:
+            return b""
+        size = min(size, df.size - offset)
+        if df.through:
+            return await self.sched.io(partial(pread_exact, df.fd, size, offset), Klass.DEMAND,  # type: ignore[return-value]
+                                       nbytes=size, written=False)
+        if self.tier.inline:
+            return pread_exact(df.fd, size, offset)
+        return await self.device.run(pread_exact, df.fd, size, offset)
+
+    async def truncate(self, df: DirtyFile, size: int) -> None:
+        if not df.through and size > df.size and not await self._charge(df, size):
+            await self._to_through(df)
+        df.touch()
+        if df.through:
+            await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0)
+        else:
+            await self.device.run(os.ftruncate, df.fd, size)
+            self._uncharge(df, size)
+        df.size = size
+
+    async def stat(self, df: DirtyFile) -> os.stat_result:
+        return os.fstat(df.fd)  # fstat of an open fd: no I/O
+
+    async def set_attrs(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
+                        gid: int | None = None, times: tuple[int, int] | None = None) -> None:
+        def apply() -> None:
+            if mode is not None:
+                os.fchmod(df.fd, mode & 0o7777)
+            if uid is not None or gid is not None:
+                os.fchown(df.fd, -1 if uid is None else uid, -1 if gid is None else gid)
+            if times is not None:
+                os.utime(df.fd, ns=times)
+
+        df.touch()
+        await self.device.run(apply)
+
+    async def xattr(self, df: DirtyFile, fn: Callable[[int], object]) -> object:
+        return await self.device.run(fn, df.fd)
+
+    async def _to_through(self, df: DirtyFile) -> None:
+        """Move a file the write tier cannot hold to a temporary file on the backing store."""
+        if df.path is None:
+            raise OSError(errno.ENOSPC, "write tier full and the file is unlinked")
+        tmp_rel = self._tmp_name(df)
+        tmp_abs = self.root + b"/" + tmp_rel
+        self.journal.set_tmp(df.id, tmp_rel, through=True)
+        log.info("write tier %s full: writing %s through to the backing store", self.tier.name,
+                 os.fsdecode(df.path))
+        out = await self.sched.io(partial(os.open, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+                                  Klass.DEMAND, nbytes=0)
+        assert isinstance(out, int)
+        off = 0
+        while off < df.size:
+            n = min(self.slice_size, df.size - off)
+            await self.sched.io(partial(_copy_range, df.fd, out, off, n), Klass.DEMAND, nbytes=n)
+            off += n
+        src = df.fd
+        await self.device.run(_finish_attrs_only, out, src)
+        df.fd = out
+        df.through = True
+        df.tmp = tmp_rel
+        os.close(src)
+        await self.device.run(_unlink_quiet, df.data_path)
+        self._uncharge(df, 0)
+
+    def _tmp_name(self, df: DirtyFile) -> bytes:
+        assert df.path is not None
+        head, _, _ = df.path.rpartition(b"/")
+        name = TMP_PREFIX + f"{df.id}.{df.gen}".encode()
+        return head + b"/" + name if head else name
+
+    # -- namespace -------------------------------------------------------------------------
+    async def rename(self, df: DirtyFile, new_path: bytes) -> None:
+        async with df.commit_lock:
+            target = self.by_path.get(new_path)
+            if target is not None and target is not df:
+                await self._unlink_locked(target)
+            if df.path is not None and self.by_path.get(df.path) is df:
+                del self.by_path[df.path]
+            df.path = new_path
+            self.by_path[new_path] = df
+            self.journal.set_path(df.id, new_path)
+            if df.through and df.tmp is not None:
+                # the temporary file must sit in the new directory for an atomic rename
+                new_tmp = self._tmp_name(df)
+                await self.sched.io(partial(os.rename, self.root + b"/" + df.tmp, self.root + b"/" + new_tmp),
+                                    Klass.DEMAND, nbytes=0)
+                df.tmp = new_tmp
+                self.journal.set_tmp(df.id, new_tmp, through=True)
+
+    def rename_dir(self, old: bytes, new: bytes) -> None:
+        moved = [(p, df) for p, df in self.by_path.items() if p.startswith(old + b"/")]
+        for p, df in moved:
+            del self.by_path[p]
+            df.path = new + p[len(old):]
+            self.by_path[df.path] = df
+            if df.tmp is not None:
+                df.tmp = new + df.tmp[len(old):]
+        if moved:
+            self.journal.rename_prefix(old, new)
+            for _, df in moved:
+                if df.tmp is not None:
+                    self.journal.set_tmp(df.id, df.tmp, through=df.through)
+
+    async def unlink(self, df: DirtyFile) -> None:
+        async with df.commit_lock:
+            await self._unlink_locked(df)
+
+    async def _unlink_locked(self, df: DirtyFile) -> None:
+        if df.path is not None and self.by_path.get(df.path) is df:
+            del self.by_path[df.path]
+        df.path = None
+        df.touch()
+        self.journal.set_path(df.id, None)
+        if df.handles == 0:
+            await self._discard(df)
+
+    async def _discard(self, df: DirtyFile) -> None:
+        """Forget an unlinked dirty file whose last handle closed."""
+        self.files.pop(df.id, None)
+        self._uncharge(df, 0)
+        if df.fd >= 0:
+            os.close(df.fd)
+            df.fd = -1
+        if df.through and df.tmp is not None:
+            await self.sched.io(partial(_unlink_quiet, self.root + b"/" + df.tmp), Klass.DEMAND, nbytes=0)
+        else:
+            await self.device.run(_unlink_quiet, df.data_path)
+        self.journal.remove(df.id)
+        self._notify(df, math.inf)
+
+    # -- handles ---------------------------------------------------------------------------
+    def opened(self, df: DirtyFile, writer: bool) -> None:
+        df.handles += 1
+        if writer:
+            df.writers += 1
+
+    async def closed(self, df: DirtyFile, writer: bool) -> None:
+        df.handles -= 1
+        if writer:
+            df.writers -= 1
+            if df.writers == 0 and df.path is not None:
+                df.deadline = trio.current_time() + self.deadline_s
+                self._wake.set()
+        if df.handles == 0 and df.path is None:
+            await self._discard(df)
+        elif df.handles == 0 and df.state is DirtyState.CLEAN:
+            self._release_clean(df)
+
+    async def fsync(self, df: DirtyFile) -> None:
+        """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
+        if df.through:
+            await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0)
+        else:
+            await self.device.run(os.fsync, df.fd)
+        await self.device.run(self.journal.sync)
+        if self.fsync_backing:
+            await self.wait_durable([df], timeout=math.inf)
+
+    # -- durability ------------------------------------------------------------------------
+    def _notify(self, df: DirtyFile, gen: float) -> None:
+        keep = []
+        for want, ev in df.waiters:
+            if want <= gen:
+                ev.set()
+            else:
+                keep.append((want, ev))
+        df.waiters = keep
+
+    async def wait_durable(self, files: list[DirtyFile] | None, timeout: float) -> list[str]:  # noqa: ASYNC109
+        """Wait until the given (or all) dirty files, as they are now, are on the backing
+        store. Files still open for writing are written back now. Returns the paths waited
+        for; raises TimeoutError, or BackingIOError if a write-back failed."""
+        todo = list(self.files.values()) if files is None else files
+        events = []
+        waited = []
+        now = trio.current_time()
+        for df in todo:
+            if df.path is None or df.durable_gen >= df.gen or df.state is DirtyState.CLEAN:
+                continue
+            ev = trio.Event()
+            df.waiters.append((df.gen, ev))
+            df.deadline = min(df.deadline, now)  # someone waits: due now
+            df.retry_at = 0.0
+            events.append(ev)
+            waited.append(os.fsdecode(df.path))
+        self._wake.set()
+        with trio.fail_after(timeout):
+            for ev in events:
+                await ev.wait()
+        failed = [os.fsdecode(df.path) for df in todo if df.error and df.path is not None and df.durable_gen < df.gen]
+        if failed:
+            raise BackingIOError(", ".join(failed), OSError(errno.EIO, "write-back failed"))
+        return waited
+
+    # -- the worker ------------------------------------------------------------------------
+    def _next_job(self) -> DirtyFile | None:
+        now = trio.current_time()
+        ready = [df for df in self.files.values()
+                 if df.state is DirtyState.DIRTY and df.path is not None and df.retry_at <= now
+                 and (df.writers == 0 or df.waiters) and df.durable_gen < df.gen]
+        return min(ready, key=lambda d: d.deadline) if ready else None
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+        task_status.started()
+        while True:
+            df = self._next_job()
+            if df is None:
+                self._wake = trio.Event()
+                with trio.move_on_after(RETRY_S):
+                    await self._wake.wait()
+                continue
+            await self._write_back(df)
+
+    async def _write_back(self, df: DirtyFile) -> None:
+        gen = df.gen
+        df.state = DirtyState.WRITING
+        t0 = time.monotonic()
+        tmp_abs: bytes | None = None
+        try:
+            if df.through:
+                assert df.tmp is not None
+                tmp_abs = self.root + b"/" + df.tmp
+                await self._io(df, partial(_finish_tmp, df.fd, df.fd, df.size), 0)
+            else:
+                tmp_rel = self._tmp_name(df)
+                tmp_abs = self.root + b"/" + tmp_rel
+                self.journal.set_tmp(df.id, tmp_rel)
+                out = await self._io(df, partial(os.open, tmp_abs,
+                                                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), 0)
+                assert isinstance(out, int)
+                try:
+                    off = 0
+                    while off < df.size:
+                        self._check(df, gen)
+                        n = min(self.slice_size, df.size - off)
+                        await self._io(df, partial(_copy_range, df.fd, out, off, n), n)
+                        off += n
+                    self._check(df, gen)
+                except BaseException:
+                    os.close(out)
+                    raise
+                await self._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
+            async with df.commit_lock:
+                self._check(df, gen)
+                assert df.path is not None
+                st = await self._io(df, partial(_commit, tmp_abs, self.root + b"/" + df.path), 0)
+                tmp_abs = None
+                df.tmp = None
+                self.journal.set_tmp(df.id, None)
+        except _Abort:
+            df.state = DirtyState.DIRTY
+        except (OSError, TierfsError) as e:
+            self.failures += 1
+            df.error = str(e)
+            df.retry_at = trio.current_time() + RETRY_S
+            df.state = DirtyState.DIRTY
+            log.warning("write-back of %s failed (retrying in %.0fs): %s",
+                        os.fsdecode(df.path or b"?"), RETRY_S, e)
+            self._notify(df, math.inf)
+        else:
+            df.error = None
+            df.durable_gen = gen
+            self.written_files += 1
+            self.written_bytes += df.size
+            self._notify(df, gen)
+            if df.gen == gen and df.writers == 0:
+                self._mark_clean(df, st)  # type: ignore[arg-type]
+            else:
+                df.state = DirtyState.DIRTY
+        finally:
+            self.writeback_seconds += time.monotonic() - t0
+            if tmp_abs is not None and not df.through:
+                try:
+                    await self.sched.io(partial(_unlink_quiet, tmp_abs), Klass.DEADLINE, nbytes=0)
+                except (OSError, TierfsError):
+                    pass
+                self.journal.set_tmp(df.id, None)
+
+    def _check(self, df: DirtyFile, gen: int) -> None:
+        if df.gen != gen or df.path is None:
+            raise _Abort
+
+    async def _io(self, df: DirtyFile, fn: Callable[[], object], nbytes: int) -> object:
+        return await self.sched.io(fn, Klass.DEADLINE, deadline=df.deadline, nbytes=nbytes,
+                                   position=((0, df.id), 0))
+
+    def _mark_clean(self, df: DirtyFile, st: os.stat_result) -> None:
+        df.state = DirtyState.CLEAN
+        if df.path is not None and self.by_path.get(df.path) is df:
+            del self.by_path[df.path]
+        self.journal.remove(df.id)
+        if self.on_clean is not None:
+            self.on_clean(df, st)
+        if df.handles == 0:
+            self._release_clean(df)
+
+    def _release_clean(self, df: DirtyFile) -> None:
+        self.files.pop(df.id, None)
+        self._uncharge(df, 0)
+        if df.fd >= 0:
+            os.close(df.fd)
+            df.fd = -1
+        if not df.through:
+            _unlink_quiet(df.data_path)  # an unlink in the write tier: metadata only
+
+    # -- recovery --------------------------------------------------------------------------
+    async def recover(self) -> int:
+        """Resume after a crash: every journaled file is queued for write-back again; temporary
+        files a write-back had started are removed. Returns the number of dirty files found."""
+        n = 0
+        for row in self.journal.rows():
+            data_path = os.path.join(self.dirty_dir, str(row.id))
+            if row.through:
+                # The bytes are in the temporary file on the backing store: finish it there.
+                if row.tmp is not None and row.path is not None:
+                    try:
+                        await self.sched.io(partial(_commit, self.root + b"/" + row.tmp,
+                                                    self.root + b"/" + row.path), Klass.DEMAND, nbytes=0)
+                    except OSError as e:
+                        log.warning("recovery: %s", e)
+                elif row.tmp is not None:
+                    await self.sched.io(partial(_unlink_quiet, self.root + b"/" + row.tmp), Klass.DEMAND, nbytes=0)
+                self.journal.remove(row.id)
+                continue
+            if row.tmp is not None:
+                await self.sched.io(partial(_unlink_quiet, self.root + b"/" + row.tmp), Klass.DEMAND, nbytes=0)
+                self.journal.set_tmp(row.id, None)
+            if row.path is None or not await self.device.run(os.path.exists, data_path):
+                await self.device.run(_unlink_quiet, data_path)
+                self.journal.remove(row.id)
+                continue
+            fd = await self.device.run(os.open, data_path, os.O_RDWR | os.O_CLOEXEC)
+            size = os.fstat(fd).st_size
+            df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
+                           deadline=trio.current_time() + self.deadline_s)
+            self.tier.dirty += blocks(size)
+            df.accounted = blocks(size)
+            self.files[row.id] = df
+            self.by_path[row.path] = df
+            n += 1
+        # data files nobody journals (a crash between creating one and journaling it)
+        for name in os.listdir(self.dirty_dir):
+            if name.isdigit() and int(name) not in self.files:
+                _unlink_quiet(os.path.join(self.dirty_dir, name))
+        if n:
+            log.info("recovery: %d dirty files queued for write-back", n)
+        self._wake.set()
+        return n
+
+    def close(self) -> None:
+        for df in list(self.files.values()):
+            if df.fd >= 0:
+                os.close(df.fd)
+                df.fd = -1
+        self.journal.close()
+
+    # -- statistics ------------------------------------------------------------------------
+    def statistics(self) -> WriteBackStats:
+        now_m = time.monotonic()
+        dirty = [df for df in self.files.values() if df.state is not DirtyState.CLEAN and df.path is not None]
+        dirty_bytes = sum(df.size for df in dirty)
+        thr = self.written_bytes / self.writeback_seconds if self.writeback_seconds > 0 else 0.0
+        deadlines = [df.deadline for df in dirty if df.deadline < math.inf]
+        now_t = trio.current_time()
+        return WriteBackStats(
+            dirty_files=len(dirty),
+            dirty_bytes=dirty_bytes,
+            oldest_dirty_age_s=max((now_m - df.since for df in dirty), default=0.0),
+            writing=sum(df.state is DirtyState.WRITING for df in dirty),
+            written_files=self.written_files,
+            written_bytes=self.written_bytes,
+            writeback_seconds=self.writeback_seconds,
+            throughput_bytes_per_s=thr,
+            eta_s=(dirty_bytes / thr) if thr > 0 else (0.0 if not dirty_bytes else None),
+            through_files=sum(df.through for df in dirty),
+            failures=self.failures,
+            next_deadline_s=(min(deadlines) - now_t) if deadlines else None,
+            write_tier=self.tier.name,
+        )
+
+
+def _finish_attrs_only(dst: int, src: int) -> None:
+    st = os.fstat(src)
+    os.fchmod(dst, st.st_mode & 0o7777)
+    try:
+        os.fchown(dst, st.st_uid, st.st_gid)
+    except PermissionError:
+        pass
+    _copy_xattrs(src, dst)
