@@ -478,9 +478,6 @@ def test_c28_epoch_shuffle_larger_than_tier_nothrash_vs_lru(tiermount, tmp_path:
     assert lru[1]["tier_frac"] <= 0.75 * nt[1]["tier_frac"], msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: -o staging=SIZE (and staging in --config) crashes the "
-                   "mount with TypeError: config.py passes parse_size as an Option parser, which "
-                   "resolve() calls positionally as parse(raw, key)")
 def test_c28_tier_saves_backing_reads_with_bounded_staging(tiermount, tmp_path: Path) -> None:
     """C28 with the staging area bounded (``-o staging=4MiB``): by default up to 512 MiB of
     chunks no tier admitted stay in the daemon's staging memory, which here holds the whole

@@ -44,6 +44,7 @@ class Staged:
     speculative: bool
     accessed: bool = False
     placing: bool = False
+    served: int = 0  # bytes handed to readers; a chunk served whole is dropped first
 
 
 @dataclass
@@ -156,6 +157,7 @@ class Cache:
                 self.staging.move_to_end(cid)
                 self.staging_hits += 1
                 self.staging_bytes_served += n
+                staged.served += n
                 self._staged_access(cid, staged, prior, first_touch)
                 return staged.data[start : start + n]
             data = await self.scheduler.fetch(f, idx, Klass.DEMAND)
@@ -252,19 +254,21 @@ class Cache:
         self._trim_staging()
 
     def _trim_staging(self) -> None:
+        """Keep staging within its capacity: first drop chunks readers have had whole (a
+        sequential reader will not come back for them), then the least recently used; never
+        a chunk whose placement is under way."""
         if self.staging_used <= self.staging_capacity:
             return
-        for cid in list(self.staging):
-            if self.staging_used <= self.staging_capacity:
-                break
-            staged = self.staging[cid]
-            if staged.placing and not staged.accessed:
-                continue
-            if staged.placing:
-                continue  # its placement task still needs the bytes
-            self._unstage(cid)
-            if staged.speculative and not staged.accessed:
-                self.prefetch_wasted += len(staged.data)
+        for consumed_only in (True, False):
+            for cid in list(self.staging):
+                if self.staging_used <= self.staging_capacity:
+                    return
+                staged = self.staging[cid]
+                if staged.placing or (consumed_only and staged.served < len(staged.data)):
+                    continue
+                self._unstage(cid)
+                if staged.speculative and not staged.accessed:
+                    self.prefetch_wasted += len(staged.data)
 
     def _unstage(self, cid: ChunkId) -> None:
         staged = self.staging.pop(cid, None)
@@ -504,11 +508,25 @@ class Cache:
             batch = self.ssd_catalog.take_pending()
             await self.devices[self.persistent_tier].run(self.ssd_catalog.write, batch)
 
+    def _recover_capacity(self) -> None:
+        """A tier whose filesystem filled from outside got its capacity lowered; give it back
+        as space frees up (blocking statvfs: run in a thread)."""
+        for tier in self.tiers:
+            if tier.effective_capacity < tier.capacity:
+                sv = os.statvfs(tier.path)
+                free = sv.f_bavail * sv.f_frsize
+                margin = 4 * self.chunk_size  # stay clear of the edge of the filesystem
+                tier.effective_capacity = max(tier.effective_capacity, min(
+                    tier.capacity, tier.used + getattr(tier, "dirty", 0) + max(0, free - margin)))
+
     async def run_flusher(self, interval: float = 2.0) -> None:
-        """Write the SSD catalog every ``interval`` seconds. A failure is logged and retried
-        at the next interval (the records stay pending); it never stops the daemon."""
+        """Write the SSD catalog every ``interval`` seconds and give tiers back capacity their
+        filesystem has freed. A failure is logged and retried at the next interval (the records
+        stay pending); it never stops the daemon."""
         while True:
             await trio.sleep(interval)
+            if any(t.effective_capacity < t.capacity for t in self.tiers):
+                await trio.to_thread.run_sync(self._recover_capacity)
             try:
                 await self.flush_catalog()
             except Exception:  # noqa: BLE001 - sqlite/disk errors must not kill the mount
