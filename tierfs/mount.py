@@ -41,6 +41,7 @@ from tierfs.units import format_size
 
 log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
+META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (see io.Device)
 
 
 @dataclass(frozen=True)
@@ -206,13 +207,17 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         tiers.append(tier)
         devices.append(io.Device(tp.name, 4))
     backing_dev = io.Device("backing", cfg.depth)
-    meta = io.Device("backing-meta", META_THREADS)
+    meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S)
 
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
         return await backing_dev.run(_read_checked, f, offset, length)
 
+    async def run_backing_io(fn):  # type: ignore[no-untyped-def]
+        return await backing_dev.run(fn)
+
     scheduler = TransactionScheduler(read_backing, chunk_size=cfg.chunk_size,
-                                     slice_size=cfg.slice_size, depth=cfg.depth)
+                                     slice_size=cfg.slice_size, depth=cfg.depth,
+                                     run_io=run_backing_io)
     total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
     policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks))
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,

@@ -72,9 +72,46 @@ class FetchRequest:
         self.state = to
 
 
+@dataclass(eq=False)
+class IoTask:
+    """Any other backing-store transfer (a write-back slice, a write-through write): a blocking
+    callable run in the backing device thread when the scheduler picks it. ``position`` places
+    it for the elevator; ``nbytes`` is for statistics."""
+
+    fn: Callable[[], object]
+    klass: Klass
+    deadline: float
+    position: tuple[tuple[int, int], int]
+    nbytes: int
+    enqueued_at: float
+    key: tuple[str, int] = field(default=("", 0))
+    state: ReqState = ReqState.QUEUED
+    done: trio.Event = field(default_factory=trio.Event)
+    result: object = None
+    error: BaseException | None = None
+
+    @property
+    def cid(self) -> tuple[str, int]:
+        return self.key
+
+    def advance(self, to: ReqState) -> None:
+        legal = {ReqState.QUEUED: ReqState.IN_FLIGHT, ReqState.IN_FLIGHT: ReqState.DONE}
+        if legal.get(self.state) is not to:
+            raise AssertionError(f"illegal task transition {self.state} -> {to}")
+        self.state = to
+
+
 # Reads ``length`` bytes at ``offset`` of a backing file (in the backing device's thread).
 ReadFn = Callable[[BackingFile, int, int], Awaitable[bytes]]
+# Runs a blocking callable in the backing device's thread.
+RunFn = Callable[[Callable[[], object]], Awaitable[object]]
 OnFetched = Callable[[FetchRequest, bytes], None]
+
+
+def _position(r: FetchRequest | IoTask) -> tuple[tuple[int, int], int]:
+    if isinstance(r, IoTask):
+        return r.position
+    return (r.file.order, r.index)
 
 
 @dataclass(frozen=True)
@@ -85,6 +122,8 @@ class SchedulerStats:
     backing_reads: int
     chunks_fetched: int
     coalesced_chunks: int
+    io_tasks: int
+    bytes_written: int
     busy_seconds: float
     busy_fraction: float
     demand_waits: int
@@ -116,15 +155,20 @@ class TransactionScheduler:
         depth: int = 1,
         escalate_s: float = 2.0,
         on_fetched: OnFetched | None = None,
+        run_io: RunFn | None = None,
     ) -> None:
         self._read = read
+        self._run_io = run_io
         self.chunk_size = chunk_size
         self.slice_size = max(slice_size, chunk_size)
         self.depth = depth
         self.escalate_s = escalate_s
         self.on_fetched = on_fetched
-        self._queues: dict[Klass, dict[ChunkId, FetchRequest]] = {k: {} for k in Klass}
-        self._in_flight: dict[ChunkId, FetchRequest] = {}
+        self._queues: dict[Klass, dict[ChunkId, FetchRequest | IoTask]] = {k: {} for k in Klass}
+        self._in_flight: dict[ChunkId, FetchRequest | IoTask] = {}
+        self._task_ids = 0
+        self._io_tasks = 0
+        self._bytes_written = 0
         self._wakeup = trio.Event()
         self._head: tuple[tuple[int, int], int] = ((0, 0), 0)
         self._started = time.monotonic()
@@ -142,13 +186,29 @@ class TransactionScheduler:
     # -- submitting ------------------------------------------------------------------------
     def lookup(self, cid: ChunkId) -> FetchRequest | None:
         req = self._in_flight.get(cid)
-        if req is not None:
+        if isinstance(req, FetchRequest):
             return req
         for q in self._queues.values():
             req = q.get(cid)
-            if req is not None:
+            if isinstance(req, FetchRequest):
                 return req
         return None
+
+    async def io(self, fn: Callable[[], object], klass: Klass, *, nbytes: int,
+                 position: tuple[tuple[int, int], int] = ((0, 0), 0),
+                 deadline: float = math.inf, written: bool = True) -> object:
+        """Queue a blocking backing-store call ``fn`` in ``klass`` and wait for its result.
+        Raises what ``fn`` raises (an OSError becomes BackingIOError)."""
+        self._task_ids += 1
+        task = IoTask(fn, klass, deadline, position, nbytes, trio.current_time(), key=("io", self._task_ids))
+        self._queues[klass][task.key] = task
+        self._wakeup.set()
+        await task.done.wait()
+        if written:
+            self._bytes_written += nbytes
+        if task.error is not None:
+            raise task.error
+        return task.result
 
     def submit(
         self, f: BackingFile, index: int, klass: Klass, deadline: float = math.inf
@@ -189,23 +249,25 @@ class TransactionScheduler:
     def cancel_speculative(self, key: str) -> int:
         """Drop queued readahead of a file nobody waits for (the file was closed)."""
         q = self._queues[Klass.SPECULATIVE]
-        gone = [cid for cid, r in q.items() if cid[0] == key and r.waiters == 0]
+        gone = [cid for cid, r in q.items()
+                if cid[0] == key and isinstance(r, FetchRequest) and r.waiters == 0]
         for cid in gone:
             req = q.pop(cid)
+            assert isinstance(req, FetchRequest)
             req.file.release()
             req.error = BackingIOError(req.file.path, OSError(125, "readahead cancelled"))
             req.done.set()
         return len(gone)
 
     # -- dispatching -----------------------------------------------------------------------
-    def _pick(self) -> FetchRequest | None:
+    def _pick(self) -> FetchRequest | IoTask | None:
         """The next request: DEMAND first; DEADLINE work whose deadline is within
         ``escalate_s`` alternates 1:1 with DEMAND so a stream of reads cannot starve it; other
         DEADLINE work in EDF order; SPECULATIVE only when nothing else is queued."""
         now = trio.current_time()
         deadline_q = self._queues[Klass.DEADLINE]
         demand_q = self._queues[Klass.DEMAND]
-        edf_key = lambda r: (r.deadline, r.file.order, r.index)  # noqa: E731
+        edf_key = lambda r: (r.deadline, _position(r))  # noqa: E731
         escalated = [r for r in deadline_q.values() if r.deadline - now <= self.escalate_s]
         if escalated and (not demand_q or self._last_was_demand):
             self._escalations += 1
@@ -220,12 +282,12 @@ class TransactionScheduler:
             return self._elevator(self._queues[Klass.SPECULATIVE].values())
         return None
 
-    def _elevator(self, reqs) -> FetchRequest:  # type: ignore[no-untyped-def]
+    def _elevator(self, reqs) -> FetchRequest | IoTask:  # type: ignore[no-untyped-def]
         head = self._head
         best_ahead = None
         best_any = None
         for r in reqs:
-            pos = (r.file.order, r.index)
+            pos = _position(r)
             if best_any is None or pos < best_any[0]:
                 best_any = (pos, r)
             if pos >= head and (best_ahead is None or pos < best_ahead[0]):
@@ -234,7 +296,7 @@ class TransactionScheduler:
         assert chosen is not None
         return chosen[1]
 
-    def _take(self, req: FetchRequest) -> None:
+    def _take(self, req: FetchRequest | IoTask) -> None:
         del self._queues[req.klass][req.cid]
         req.advance(ReqState.IN_FLIGHT)
         self._in_flight[req.cid] = req
@@ -247,8 +309,9 @@ class TransactionScheduler:
         while nbytes + self.chunk_size <= self.slice_size:
             req = None
             for q in self._queues.values():
-                req = q.get((first.file.key, nxt))
-                if req is not None:
+                cand = q.get((first.file.key, nxt))
+                if isinstance(cand, FetchRequest):
+                    req = cand
                     break
             if req is None:
                 break
@@ -271,9 +334,33 @@ class TransactionScheduler:
                     self._wakeup = trio.Event()
                     await self._wakeup.wait()
                     req = self._pick()
-                run = self._coalesce(req)
-                nursery.start_soon(self._execute, run, slots)
+                if isinstance(req, IoTask):
+                    self._take(req)
+                    nursery.start_soon(self._execute_io, req, slots)
+                else:
+                    run = self._coalesce(req)
+                    nursery.start_soon(self._execute, run, slots)
                 await trio.lowlevel.checkpoint()
+
+    async def _execute_io(self, task: IoTask, slots: trio.Semaphore) -> None:
+        self._head = task.position
+        t0 = time.monotonic()
+        try:
+            assert self._run_io is not None, "no run_io given to the scheduler"
+            task.result = await self._run_io(task.fn)
+        except BackingIOError as e:
+            task.error = e
+        except OSError as e:
+            task.error = BackingIOError(str(task.position), e)
+        except Exception as e:  # noqa: BLE001 - handed to the waiter, who re-raises it
+            task.error = e
+        finally:
+            self._busy += time.monotonic() - t0
+            slots.release()
+            self._io_tasks += 1
+            del self._in_flight[task.key]
+            task.advance(ReqState.DONE)
+            task.done.set()
 
     async def _execute(self, run: list[FetchRequest], slots: trio.Semaphore) -> None:
         f = run[0].file
@@ -338,6 +425,8 @@ class TransactionScheduler:
             backing_reads=self._reads,
             chunks_fetched=self._chunks,
             coalesced_chunks=self._coalesced,
+            io_tasks=self._io_tasks,
+            bytes_written=self._bytes_written,
             busy_seconds=self._busy,
             busy_fraction=min(1.0, self._busy / up),
             demand_waits=self._wait_count,
