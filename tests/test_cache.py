@@ -60,6 +60,16 @@ def bfile(i: int, size: int) -> BackingFile:
     return BackingFile(Identity(f"/data/f{i}", size, 1, i + 1, 1), fd=-1)
 
 
+async def settle(cache: Cache) -> None:
+    """Wait until background placement is done (tier writes run in real threads, which
+    ``wait_all_tasks_blocked`` alone does not wait for)."""
+    while True:
+        await trio.testing.wait_all_tasks_blocked()
+        if cache.background == 0:
+            return
+        await trio.sleep(0.001)
+
+
 async def read_whole(cache: Cache, f: BackingFile) -> bytes:
     access = AccessState()
     out = bytearray()
@@ -84,7 +94,7 @@ async def epoch_fractions(tmp: Path, policy: str, epochs: int = 3) -> list[float
             rnd.shuffle(order)
             for f in order:
                 assert await read_whole(cache, f) == content(f.path, 0, CS)
-                await trio.testing.wait_all_tasks_blocked()
+                await settle(cache)
                 assert cache.check() == []
             fractions.append((sum(t.hits for t in cache.tiers) - before) / len(files))
         n.cancel_scope.cancel()
@@ -114,11 +124,11 @@ async def test_hot_data_displaces_cold_and_promotes(tmp_path: Path, autojump_clo
         await n.start(sched.run)
         for f in scan:
             await read_whole(cache, f)
-            await trio.testing.wait_all_tasks_blocked()
+            await settle(cache)
         for _ in range(4):
             for f in hot:
                 await read_whole(cache, f)
-                await trio.testing.wait_all_tasks_blocked()
+                await settle(cache)
         ram = {c[0] for c, e in cache.catalog.entries.items() if e.tier == 0}
         assert {f.key for f in hot} <= ram | {c[0] for c, e in cache.catalog.entries.items() if e.tier == 1}
         assert len(ram & {f.key for f in hot}) >= 3
@@ -143,7 +153,7 @@ async def test_failing_tier_never_fails_a_read(tmp_path: Path, autojump_clock) -
         await n.start(sched.run)
         for _ in range(3):
             assert await read_whole(cache, f) == whole_file(f)
-            await trio.testing.wait_all_tasks_blocked()
+            await settle(cache)
         assert cache.tiers[0].errors > 0
         n.cancel_scope.cancel()
 
@@ -169,7 +179,7 @@ def test_invariants_under_random_reads(tmp_path_factory, ops, policy, ram, ssd) 
                 f = files[fi]
                 got = await cache.read(f, off, size, access[fi])
                 assert got == whole_file(f)[off : off + size]
-                await trio.testing.wait_all_tasks_blocked()
+                await settle(cache)
                 assert cache.check() == []
                 for t in cache.tiers:
                     assert t.used <= t.capacity
@@ -204,7 +214,7 @@ async def test_ssd_catalog_round_trip(tmp_path: Path, autojump_clock) -> None:  
         cache.attach(n)
         await n.start(sched.run)
         data = await read_whole(cache, f)
-        await trio.testing.wait_all_tasks_blocked()
+        await settle(cache)
         n.cancel_scope.cancel()
     cache.close()
     cache2, sched2, backing2 = make_cache(tmp_path, ram=0, ssd=8 * CS, persistent=True)

@@ -19,6 +19,10 @@ from tierfs.units import parse_duration, parse_size
 MiB = 1 << 20
 
 
+def _size(v: Any, key: str) -> int:
+    return parse_size(v, key=key)
+
+
 def _positive_size(v: Any, key: str) -> int:
     n = parse_size(v, key=key)
     if n <= 0:
@@ -113,8 +117,8 @@ OPTIONS: tuple[Option, ...] = (
            "a demand read waits at most one slice (32 MiB = ~180 ms at 180 MB/s)"),
     Option("depth", _int_range(1, 64), 1, "backing-store requests in flight (1 for an HDD)"),
     Option("readahead_max", _positive_size, 64 * MiB, "bytes: largest speculative readahead window per file"),
-    Option("staging", parse_size, 512 * MiB, "bytes: memory for fetched chunks that no tier admitted "
-           "(readahead that bypasses a full tier)"),
+    Option("staging", _size, 128 * MiB, "bytes: daemon memory, on top of the tiers, for fetched "
+           "chunks not (yet) in a tier: readahead, and chunks a full tier did not admit"),
     Option("eviction", _choice("nothrash", "lru"), "nothrash", "tier policy: nothrash (frequency "
            "admission; no churn on epoch-shuffled data) or lru (the baseline, for comparison)"),
     Option("write_tier", _choice("auto", "ssd", "ram"), "auto", "tier that absorbs writes: ssd, ram, "
@@ -146,7 +150,7 @@ class Config:
     slice_size: int = 32 * MiB
     depth: int = 1
     readahead_max: int = 64 * MiB
-    staging: int = 512 * MiB
+    staging: int = 128 * MiB
     eviction: str = "nothrash"
     write_tier: str = "auto"
     writeback_deadline: float = 120.0

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -29,14 +30,41 @@ class Device:
     """A physical device (the backing store, the SSD, ...) with its own thread limiter.
 
     ``depth`` is how many blocking calls may run on it at once.
+
+    ``inline_under`` (seconds, or None): calls run on the event loop itself while each one is
+    measured to take less than this; the first slower one sends all calls to threads for
+    ``THREAD_PERIOD_S``, after which inline is tried again. For backing-store metadata this
+    measured 4x faster ``ls -lR`` (1.05 s -> 0.26 s for 1000 files: a thread hop costs more
+    than a cached ``lstat``), while a cold HDD lookup (~10 ms) costs the loop one stall.
     """
 
-    def __init__(self, name: str, depth: int) -> None:
+    THREAD_PERIOD_S = 30.0
+
+    def __init__(self, name: str, depth: int, *, inline_under: float | None = None) -> None:
         self.name = name
         self.limiter = trio.CapacityLimiter(depth)
+        self.inline_under = inline_under
+        self._threads_until = 0.0
+        self.inline_calls = 0
+        self.thread_calls = 0
+        self.slow_inline_calls = 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Run blocking ``fn(*args)`` in a worker thread under this device's limiter."""
+        """Run blocking ``fn(*args)``: in a worker thread under this device's limiter, or
+        inline while measured cheap (see the class docstring)."""
+        if self.inline_under is not None:
+            now = time.monotonic()
+            if now >= self._threads_until:
+                await trio.lowlevel.checkpoint()
+                try:
+                    return fn(*args)
+                finally:
+                    took = time.monotonic() - now
+                    self.inline_calls += 1
+                    if took > self.inline_under:
+                        self.slow_inline_calls += 1
+                        self._threads_until = now + took + self.THREAD_PERIOD_S
+        self.thread_calls += 1
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 

@@ -44,6 +44,7 @@ from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
+META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (see io.Device)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         tiers.append(tier)
         devices.append(io.Device(tp.name, 4))
     backing_dev = io.Device("backing", cfg.depth)
-    meta = io.Device("backing-meta", META_THREADS)
+    meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S)
 
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
         return await backing_dev.run(_read_checked, f, offset, length)

@@ -62,6 +62,7 @@ def build(
             "placements": cs.placements,
             "bypassed": cs.bypassed,
             "checksum_failures": cs.checksum_failures,
+            "partial_fetches": cs.partial_fetches,
         },
         "scheduler": {
             "queued": ss.queued,

@@ -33,6 +33,7 @@ class TierStats:
     name: str
     path: str
     capacity_bytes: int
+    effective_capacity_bytes: int  # lower than capacity while the tier's filesystem is full
     used_bytes: int
     dirty_bytes: int
     chunks: int
@@ -178,7 +179,9 @@ class Tier:
 
     def statistics(self) -> TierStats:
         return TierStats(
-            name=self.name, path=self.path, capacity_bytes=self.capacity, used_bytes=self.used, dirty_bytes=self.dirty,
+            name=self.name, path=self.path, capacity_bytes=self.capacity,
+            effective_capacity_bytes=self.effective_capacity, used_bytes=self.used,
+            dirty_bytes=self.dirty,
             chunks=self.chunks, hits=self.hits, misses=self.misses, bytes_served=self.bytes_served,
             promotions=self.promotions, demotions=self.demotions, evictions=self.evictions,
             errors=self.errors, full_events=self.full_events,

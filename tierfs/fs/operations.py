@@ -631,6 +631,7 @@ class Operations(pyfuse3.Operations):
             # Queue readahead first: the scheduler then coalesces the demand fetch below with
             # the following chunks into one long transfer.
             ahead = self.readahead.on_read(h.readahead, off, min(size, f.size - off), f.size)
+            h.access.random = h.readahead.window == 0
             if ahead:
                 self.cache.prefetch(f, ahead)
             return await self.cache.read(f, off, size, h.access)
