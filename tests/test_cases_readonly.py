@@ -115,11 +115,9 @@ def test_c01_safetensors_safe_open_and_shared_mmap(tiermount, tmp_path: Path) ->
 # -- C02 -----------------------------------------------------------------------------------------
 def test_c02_numpy_memmap_modes(tiermount, tmp_path: Path) -> None:
     """C02 (onedata/oneclient#9): ``np.load(mmap_mode='r')`` (shared) and ``'c'`` (private) load
-    through the mount and equal the saved array.
-
-    Read-only scope: the array is ``np.save``d into the backing directory (scaled to 1<<22
-    float32). ``'r+'`` and the ``'w+'`` memmap write steps are out of scope; on this read-only
-    mount ``'r+'`` must fail cleanly with EROFS (not ENODEV).
+    through the mount and equal the saved array; ``'r+'`` writes through the shared mapping
+    reach later reads and the backing store after write-back; a ``'w+'`` memmap is created and
+    read back with plain reads. (The array is scaled to 1<<22 float32.)
     """
     import numpy as np
 
@@ -140,9 +138,21 @@ def test_c02_numpy_memmap_modes(tiermount, tmp_path: Path) -> None:
         del r, c, raw
         drop_page_cache(p)  # second round cold
     assert np.load(p)[0] == 0.0
-    with pytest.raises(OSError) as e:
-        np.load(p, mmap_mode="r+")
-    assert e.value.errno in (errno.EROFS, errno.EACCES), e.value
+    rw = np.load(p, mmap_mode="r+")
+    rw[0] = 42.0
+    rw.flush()
+    del rw
+    assert np.load(p)[0] == 42.0
+    w = np.memmap(m.mnt / "c02" / "w.bin", dtype="u1", mode="w+", shape=(64 << 20,))
+    w[1 << 20 : 2 << 20] = 7
+    w.flush()
+    del w
+    with open(m.mnt / "c02" / "w.bin", "rb") as f:
+        data = f.read()
+    assert len(data) == 64 << 20 and data[1 << 20 : 2 << 20] == b"\x07" * (1 << 20) and data[:10] == bytes(10)
+    tierfs_cmd("flush", str(m.mnt))
+    assert np.load(tmp_path / "back" / "c02" / "a.npy")[0] == 42.0
+    assert (tmp_path / "back" / "c02" / "w.bin").read_bytes() == data
 
 
 # -- C03 -----------------------------------------------------------------------------------------
