@@ -307,6 +307,7 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):  # type: ignore[no-untyped-def,override]
         h = self.handles.pop(fh)
         if isinstance(h, FileHandle):
+            self.readahead.forget(h.readahead)
             f = h.file
             f.opens -= 1
             if f.opens == 0:
