@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -208,25 +209,27 @@ def _table(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(100, shutil.get_terminal_size((120, 40)).columns))
     s = doc["scheduler"]
     c = doc["cache"]
     console.print(f"[bold]tierfs[/] {doc['backing']} on {doc['mountpoint']}  up {doc['uptime_s']:.0f}s  "
                   f"chunk {format_size(doc['chunk_size'])}  policy {c['policy']}  open files {doc['open_files']}")
     t = Table(title="tiers")
-    for col in ("tier", "path", "used", "capacity", "use %", "hits", "misses", "hit ratio", "served",
-                "promoted", "demoted", "evicted"):
+    for col in ("tier", "path", "used", "dirty", "capacity", "use %", "hits", "misses", "hit ratio",
+                "served", "promoted", "demoted", "evicted"):
         t.add_column(col, justify="left" if col in ("tier", "path") else "right")
     for tier in doc["tiers"]:
         cap = tier["capacity_bytes"]
-        t.add_row(tier["name"], tier["path"], format_size(tier["used_bytes"]), format_size(cap),
-                  f"{100 * tier['used_bytes'] / cap:.0f}" if cap else "-", str(tier["hits"]),
+        t.add_row(tier["name"], tier["path"], format_size(tier["used_bytes"]),
+                  format_size(tier.get("dirty_bytes", 0)), format_size(cap),
+                  f"{100 * (tier['used_bytes'] + tier.get('dirty_bytes', 0)) / cap:.0f}" if cap else "-",
+                  str(tier["hits"]),
                   str(tier["misses"]), f"{tier['hit_ratio']:.2f}", format_size(tier["bytes_served"]),
                   str(tier["promotions"]), str(tier["demotions"]), str(tier["evictions"]))
     st = doc["staging"]
-    t.add_row("staging", "(memory)", format_size(st["used_bytes"]), format_size(st["capacity_bytes"]),
-              "", str(st["hits"]), "", "", "", "", "", "")
-    t.add_row("backing", doc["backing"], "", "", "", "", "", "", format_size(c["bytes_served_from_backing"]),
+    t.add_row("staging", "(memory)", format_size(st["used_bytes"]), "", format_size(st["capacity_bytes"]),
+              "", str(st["hits"]), "", "", format_size(st.get("bytes_served", 0)), "", "", "")
+    t.add_row("backing", doc["backing"], "", "", "", "", "", "", "", format_size(c["bytes_served_from_backing"]),
               "", "", "")
     console.print(t)
     q = s["queued"]
@@ -243,9 +246,30 @@ def _table(doc: dict[str, Any]) -> None:
         ("prefetched used / wasted", f"{format_size(s['prefetch_used_bytes'])} / {format_size(s['prefetch_wasted_bytes'])}"),
         ("bytes served from tiers", f"{100 * c['tier_byte_ratio']:.0f}%"),
     ]
+    if "io_tasks" in s:
+        rows.append(("bytes written to backing", format_size(s["backing_bytes_written"])))
     for k, v in rows:
         sched.add_row(k, v)
     console.print(sched)
+    wb = doc.get("writeback")
+    if wb is not None:
+        w = Table(title=f"write-back (write tier: {wb['write_tier']})")
+        w.add_column("metric")
+        w.add_column("value", justify="right")
+        eta = wb["eta_s"]
+        nd = wb["next_deadline_s"]
+        for k, v in [
+            ("dirty files / bytes", f"{wb['dirty_files']} / {format_size(wb['dirty_bytes'])}"),
+            ("oldest dirty age", f"{wb['oldest_dirty_age_s']:.1f} s"),
+            ("being written back / written through", f"{wb['writing']} / {wb['through_files']}"),
+            ("written back: files / bytes", f"{wb['written_files']} / {format_size(wb['written_bytes'])}"),
+            ("write-back throughput", f"{wb['throughput_bytes_per_s'] / 1e6:.1f} MB/s"),
+            ("time until every dirty byte is durable", "unknown yet" if eta is None else f"{eta:.1f} s"),
+            ("slack of the nearest write-back deadline", "-" if nd is None else f"{nd:.1f} s"),
+            ("failures (retried)", str(wb["failures"])),
+        ]:
+            w.add_row(k, v)
+        console.print(w)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

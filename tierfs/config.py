@@ -117,7 +117,7 @@ OPTIONS: tuple[Option, ...] = (
            "a demand read waits at most one slice (32 MiB = ~180 ms at 180 MB/s)"),
     Option("depth", _int_range(1, 64), 1, "backing-store requests in flight (1 for an HDD)"),
     Option("readahead_max", _positive_size, 64 * MiB, "bytes: largest speculative readahead window per file"),
-    Option("staging", _size, 128 * MiB, "bytes: daemon memory, on top of the tiers, for fetched "
+    Option("staging", _size, 256 * MiB, "bytes: daemon memory, on top of the tiers, for fetched "
            "chunks not (yet) in a tier: readahead, and chunks a full tier did not admit"),
     Option("eviction", _choice("nothrash", "lru"), "nothrash", "tier policy: nothrash (frequency "
            "admission; no churn on epoch-shuffled data) or lru (the baseline, for comparison)"),
@@ -150,7 +150,7 @@ class Config:
     slice_size: int = 32 * MiB
     depth: int = 1
     readahead_max: int = 64 * MiB
-    staging: int = 128 * MiB
+    staging: int = 256 * MiB
     eviction: str = "nothrash"
     write_tier: str = "auto"
     writeback_deadline: float = 120.0

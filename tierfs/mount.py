@@ -168,6 +168,10 @@ def plan_mount(cfg: Config) -> MountPlan:
 def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     """A backing read, then a check that the file did not change under it (then its bytes are
     served to this reader but never cached: ``f.stale``)."""
+    # Queue the whole run at the device at once: one pread alone reaches an HDD as a chain of
+    # 1 MiB requests with one outstanding, and the disk idles between them (73% busy measured
+    # on the emulated HDD with 8 readers). The requests are contiguous, so nothing interleaves.
+    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
     data = io.pread_exact(f.fd, length, offset)
     # The bytes now live in a tier (and the mount's page cache): a third copy in the backing
     # store's page cache would only push useful pages out.
@@ -290,7 +294,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     control = ControlPlane({"stats.json": render_stats, "pid": lambda: f"{os.getpid()}\n".encode(),
                             "config.json": render_config}, {wire.CTL_FILE: ctl})
     ops = Operations(inodes=inodes, cache=cache, writeback=writeback,
-                     readahead=Readahead(cfg.chunk_size, cfg.readahead_max),
+                     readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                      control=control, meta=meta, attr_timeout=cfg.attr_timeout)
     options = {"fsname=tierfs", "subtype=tierfs", "default_permissions", "noatime"}
     if cfg.allow_other:

@@ -143,7 +143,10 @@ class Policy:
         return Residency(self.freq, use_counts=self.name == "nothrash")
 
     def admits(self, prior: int, victim: ChunkId) -> bool:
-        """May a newcomer accessed ``prior`` times before now replace ``victim``?"""
+        """May a newcomer accessed ``prior`` times before now replace ``victim``? A negative
+        ``prior`` (unread readahead) never replaces anything."""
+        if prior < 0:
+            return False
         if self.name == "lru":
             return True
         return prior > self.freq.get(victim)

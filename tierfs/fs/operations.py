@@ -663,6 +663,7 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):  # type: ignore[no-untyped-def,override]
         h = self.handles.pop(fh)
         if isinstance(h, FileHandle):
+            self.readahead.forget(h.readahead)
             if h.file is not None:
                 self._release_backing(h.file)
             if h.dirty is not None:
