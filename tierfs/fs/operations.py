@@ -140,6 +140,7 @@ class Operations(pyfuse3.Operations):
         self.max_read = 0
         self.writes = 0
         self.write_bytes = 0
+        self._dirty_locks: dict[int, trio.Lock] = {}
         writeback.on_clean = self._on_clean
 
     # -- attributes ------------------------------------------------------------------------
@@ -514,7 +515,17 @@ class Operations(pyfuse3.Operations):
     # -- files -----------------------------------------------------------------------------
     async def _make_dirty(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
         """The inode's dirty file, made from the backing file if it has none yet (a copy-up,
-        or an empty file when it is about to be truncated to zero)."""
+        or an empty file when it is about to be truncated to zero). One at a time per inode:
+        two writers opening a clean file at once must share one dirty copy."""
+        lock = self._dirty_locks.setdefault(entry.inode, trio.Lock())
+        try:
+            async with lock:
+                return await self._make_dirty_locked(entry, truncate=truncate)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dirty_locks.pop(entry.inode, None)
+
+    async def _make_dirty_locked(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
         if entry.dirty is not None and entry.dirty.state.value != "clean":
             return entry.dirty
         path = entry.path
