@@ -142,6 +142,20 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
             yield {"input_ids": ids, "labels": ids}
 
 
+def evict_page_cache(paths: list[Path]) -> int:
+    """Drop ``paths`` from the kernel page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``,
+    as if they had been pushed out by a dataset larger than RAM. Returns the bytes evicted."""
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
 class ByteGRU(nn.Module):
     """Causal byte-level language model: embedding(256, width) -> GRU x layers -> linear(256)."""
 
@@ -270,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     p.add_argument("--sample-bytes", type=int, default=160,
                    help="bytes of text to generate after training (0: none)")
+    p.add_argument("--evict-page-cache", action="store_true",
+                   help="drop the shards from the kernel page cache before each epoch, as if the "
+                        "dataset were larger than RAM (a small one is otherwise re-read from the "
+                        "page cache and never reaches the file system again)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = p.parse_args(argv)
 
@@ -297,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[EpochStats] = []
     for epoch in range(1, args.epochs + 1):
         dataset.set_epoch(epoch)
+        if args.evict_page_cache:  # not timed: it stands in for a dataset larger than RAM
+            n = evict_page_cache(shards)
+            print(f"epoch {epoch}: evicted {n / 2**20:.1f} MiB of shards from the page cache")
         st = run_epoch(model, opt, loader, epoch, args.max_steps_per_epoch, args.log_every)
         results.append(st)
         print(f"epoch {epoch}: {st.steps} steps, {st.samples} samples in {st.wall_s:.1f} s  "
@@ -312,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"data": str(args.data), "shards": len(shards), "bytes": size,
                           "workers": args.workers, "batch_size": args.batch_size,
+                          "evict_page_cache": args.evict_page_cache,
                           "epochs": [asdict(r) for r in results]}))
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +85,11 @@ def force_unmount(m: Mount) -> None:
                 os.kill(m.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # A killed daemon leaves its RAM tier in /dev/shm (on purpose: a RAM write tier's dirty
+        # files must survive it); a test's mountpoint is never mounted again, so remove it.
+        from tierfs.mount import mount_id
+
+        shutil.rmtree(f"/dev/shm/tierfs-{mount_id(str(m.mnt))}", ignore_errors=True)
     assert not is_mounted(m.mnt), f"{m.mnt} is still mounted"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,7 +174,7 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config {path}: {e}") from None
 
 
-def resolve(layers: list[tuple[str, Mapping[str, Any]]]) -> Config:
+def resolve(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> Config:
     """Merge option layers, later ones winning (e.g. ``[("config file", toml), ("flag", flags)]``).
 
     Raises:

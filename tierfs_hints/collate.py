@@ -646,7 +646,7 @@ def _segments(seg_lens: list[int], N: int, device: Any, torch: Any) -> tuple[Any
         try:
             import numpy as np
         except ImportError:  # pragma: no cover - numpy is a dependency of the torch extra
-            np = None
+            np = None  # type: ignore[assignment]
         if np is not None:
             s = np.asarray(seg_lens, dtype=np.int64)
             c = np.zeros(S + 1, dtype=np.int64)

@@ -127,6 +127,7 @@ class Cache:
         self.checksum_failures = 0
         self.partial_fetches = 0
         self.background = 0  # placement/promotion tasks running (tests wait for 0)
+        self._unread_prefetch: dict[ChunkId, int] = {}  # readahead placed in a tier, not read yet
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background placement and promotion tasks run in ``nursery`` (owned by the mount)."""
@@ -222,6 +223,9 @@ class Cache:
     def _count_hit(self, cid: ChunkId, entry: ChunkEntry, first_touch: bool, n: int) -> None:
         tier = self.tiers[entry.tier]
         tier.bytes_served += n
+        unread = self._unread_prefetch.pop(cid, None)
+        if unread is not None:
+            self.prefetch_used += unread
         if not first_touch:
             return
         tier.hits += 1
@@ -335,6 +339,8 @@ class Cache:
                 self.bypassed += 1
             else:
                 self.placements += 1
+                if staged.speculative and not staged.accessed:
+                    self._unread_prefetch[cid] = len(staged.data)
         finally:
             staged.placing = False
             if cid in self.catalog.entries:
@@ -494,6 +500,9 @@ class Cache:
         entry = self.catalog.remove(cid)
         if entry is None:
             return
+        unread = self._unread_prefetch.pop(cid, None)
+        if unread is not None:
+            self.prefetch_wasted += unread
         t = entry.tier
         tier = self.tiers[t]
         self.residency[t].remove(cid)
