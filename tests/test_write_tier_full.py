@@ -1,0 +1,84 @@
+"""A file larger than the free write tier is written through; ENOSPC only when the backing store
+is really full; tiers never exceed their capacity while dirty data comes and goes."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_fuse, tierfs_cmd, write_random
+
+pytestmark = [needs_fuse, pytest.mark.fuse]
+MiB = 1 << 20
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_file_larger_than_write_tier_is_written_through(tiermount, tmp_path: Path) -> None:
+    m = tiermount(ram="8MiB", ssd="16MiB", extra=("-o", "writeback_deadline=1"))
+    payload = os.urandom(48 * MiB)
+    with open(m.mnt / "big.ckpt", "wb") as f:
+        for i in range(0, len(payload), MiB):
+            f.write(payload[i : i + MiB])
+        st = m.stats()
+        assert st["writeback"]["through_files"] == 1
+        for t in st["tiers"]:
+            assert t["used_bytes"] + t["dirty_bytes"] <= t["capacity_bytes"]
+    assert sha((m.mnt / "big.ckpt").read_bytes()) == sha(payload)
+    tierfs_cmd("flush", str(m.mnt))
+    assert sha((tmp_path / "back" / "big.ckpt").read_bytes()) == sha(payload)
+    assert not [n for n in os.listdir(tmp_path / "back") if n.startswith(".tierfs-wb.")]
+    # a small file next to it still goes to the write tier
+    (m.mnt / "small").write_bytes(b"x" * 1000)
+    assert m.stats()["writeback"]["dirty_files"] in (0, 1)
+
+
+@pytest.fixture
+def small_backing(tmp_path: Path):  # type: ignore[no-untyped-def]
+    back = tmp_path / "back"
+    back.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(back)], check=True)
+    try:
+        yield back
+    finally:
+        subprocess.run(["umount", "-l", str(back)], check=False)
+
+
+def test_enospc_only_when_backing_is_full(tiermount, small_backing: Path) -> None:
+    m = tiermount(ram="8MiB", ssd="16MiB", backing=small_backing)
+    # fits the backing store: fine, even though larger than the write tier
+    ok = os.urandom(12 * MiB)
+    (m.mnt / "fits").write_bytes(ok)
+    tierfs_cmd("flush", str(m.mnt))
+    assert (small_backing / "fits").read_bytes() == ok
+    # does not fit the backing store: ENOSPC at write, fsync or close, never EIO
+    with pytest.raises(OSError) as e:
+        with open(m.mnt / "too-big", "wb") as f:
+            for _ in range(40):
+                f.write(os.urandom(MiB))
+            f.flush()
+            os.fsync(f.fileno())
+    assert e.value.errno == errno.ENOSPC, e.value
+    # the daemon is fine, and what was written before is intact
+    assert (m.mnt / "fits").read_bytes() == ok
+
+
+def test_dirty_data_evicts_clean_chunks_not_fails(tiermount, tmp_path: Path) -> None:
+    data = write_random(tmp_path / "back" / "cached.bin", 12 * MiB, seed=4)
+    m = tiermount(ram="8MiB", ssd="16MiB")
+    assert (m.mnt / "cached.bin").read_bytes() == data  # fills the tiers with clean chunks
+    payload = os.urandom(12 * MiB)
+    (m.mnt / "new.bin").write_bytes(payload)
+    st = m.stats()
+    assert st["writeback"]["through_files"] == 0  # room was made by evicting clean chunks
+    for t in st["tiers"]:
+        assert t["used_bytes"] + t["dirty_bytes"] <= t["capacity_bytes"]
+    assert (m.mnt / "new.bin").read_bytes() == payload
+    assert (m.mnt / "cached.bin").read_bytes() == data
