@@ -45,6 +45,7 @@ from tierfs_hints import wire
 log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
 META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (see io.Device)
+DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     wt = names.index(wt_name)
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
+        data_device=io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S),
         scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
         fsync_backing=cfg.fsync == "backing")
