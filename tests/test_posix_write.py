@@ -565,8 +565,6 @@ def test_same_as_local(compare, scenario) -> None:  # type: ignore[no-untyped-de
     compare(scenario)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: link() answers EIO: Device.run() gets follow_symlinks= "
-                   "(TypeError) in Operations.link, tierfs/fs/operations.py:431")
 def test_hardlink_same_as_local(compare) -> None:  # type: ignore[no-untyped-def]
     compare(sc_hardlink)
 
@@ -583,9 +581,6 @@ def sc_rename_dir_over_dir_with_new_file(root: Path, rec: Rec) -> None:
         rec.append(sorted(os.listdir(root / "B")))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: rename(dir, dir2) succeeds (merging) when dir2 holds only "
-                   "files not yet written back; must be ENOTEMPTY. Operations.rename checks only the "
-                   "backing dir (os.rename), never wb.has_children(new): tierfs/fs/operations.py:449-479")
 def test_rename_dir_over_dir_with_dirty_file(compare) -> None:  # type: ignore[no-untyped-def]
     compare(sc_rename_dir_over_dir_with_new_file)
 
@@ -604,13 +599,6 @@ def sc_mkdir_after_rmdir_of_open_dir(root: Path, rec: Rec) -> None:
             os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a new directory reuses the FUSE inode of a removed one the "
-                   "kernel still holds (marked dead), because InodeTable.remember maps the recycled backing "
-                   "(st_dev, st_ino) to the stale entry: mkdir inside gives ENOENT and listdir is empty. "
-                   "tierfs/fs/inodes.py:105-115 remember() (+ detach() keeps the by_dev_ino mapping). The same "
-                   "happens, as a race, when mkdir runs while another file's write-back commits: the commit frees "
-                   "the old backing inode, mkdir reuses it before Operations._on_clean rekeys the file's entry, "
-                   "and the new directory gets the file's inode (ENOTDIR inside it)")
 def test_mkdir_after_rmdir_of_open_dir(compare) -> None:  # type: ignore[no-untyped-def]
     compare(sc_mkdir_after_rmdir_of_open_dir)
 
@@ -801,10 +789,6 @@ def test_permissions_with_allow_other(tiermount, tmp_path: Path) -> None:  # typ
 
 
 # -- races between namespace operations and write-back -----------------------------------------------
-@pytest.mark.xfail(strict=True, reason="BUG: rmdir right after unlinking a just-closed file fails with "
-                   "ENOTEMPTY: the in-flight write-back's .tierfs-wb.* temp file is still in the backing "
-                   "directory (WriteBack._unlink_locked does not remove it; Operations.rmdir, "
-                   "tierfs/fs/operations.py:397, rmdirs the backing dir). `rm -rf` of fresh output fails")
 def test_rmdir_after_unlink_of_new_file(wm: Mount) -> None:
     base = wm.mnt / "rmrf"
     base.mkdir()
@@ -831,13 +815,6 @@ def test_rmdir_after_unlink_of_new_file_waits(wm: Mount) -> None:
     assert not (wm.backing / "rmrf2").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `echo A > a; echo B > b; mv a b` (the temp-file-and-rename "
-                   "save): b then gives EBADF and is missing from the backing store after flush (data loss), "
-                   "in ~40% of tries. Operations.rename (tierfs/fs/operations.py:466-471) takes `src` (a "
-                   "DirtyFile) and `shadowed` before awaiting WriteBack.rename, which waits for commit_lock; the "
-                   "commit meanwhile marks the file clean and closes its fd (fd=-1); WriteBack.rename then puts "
-                   "the dead DirtyFile back in by_path under the new name (lookups there: EBADF) and "
-                   "Operations.rename unlinks the just-committed backing file")
 def test_replace_just_written_file(wm: Mount) -> None:
     base = wm.mnt / "replace"
     base.mkdir()
@@ -855,10 +832,6 @@ def test_replace_just_written_file(wm: Mount) -> None:
     assert [(base / str(i) / "b").read_bytes() for i in range(20)] == [b"A" * 10] * 20
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: listing a directory while its new files are written back fails "
-                   "with EBADF: opendir snapshots the DirtyFile objects, the write-back then marks one clean and "
-                   "closes its fd (WriteBack._release_clean sets fd=-1), and readdir (tierfs/fs/operations.py "
-                   "readdir, :352-356) still calls _dirty_attrs -> os.fstat(-1)")
 def test_listdir_while_written_back(wm: Mount) -> None:
     base = wm.mnt / "lsrace"
     base.mkdir()

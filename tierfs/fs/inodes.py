@@ -77,8 +77,14 @@ class InodeTable:
         return entry
 
     def attach(self, entry: InodeEntry, df: DirtyFile) -> None:
+        """The entry's content now lives in a dirty file. Its old backing (st_dev, st_ino) is
+        unmapped (unless the file is hard-linked and so written back into that same inode):
+        write-back will replace that backing file, and the filesystem may give the number to a
+        new object, which must get a new inode, not this one."""
         entry.dirty = df
         df.inode = entry.inode
+        if not df.in_place:
+            self.rekey(entry, (-1, df.id))
 
     def rekey(self, entry: InodeEntry, dev_ino: tuple[int, int]) -> None:
         """The entry's file now lives at another backing (st_dev, st_ino) (written back)."""
@@ -97,10 +103,13 @@ class InodeTable:
                 entry.path = new + p[len(old):]
 
     def detach(self, path: bytes) -> None:
-        """``path`` was unlinked: entries naming it keep working through open handles only."""
+        """``path`` was unlinked: entries naming it keep working through open handles only, and
+        its backing (st_dev, st_ino), which the filesystem may reuse, no longer maps to them."""
         for entry in self.by_inode.values():
             if entry.path == path:
                 entry.path = None
+                if self.by_dev_ino.get(entry.dev_ino) is entry:
+                    del self.by_dev_ino[entry.dev_ino]
 
     def remember(self, path: bytes, st: os.stat_result) -> InodeEntry:
         """The inode for a backing object, created if new; one lookup is added."""

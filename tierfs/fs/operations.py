@@ -27,6 +27,7 @@ import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import pyfuse3
@@ -97,6 +98,25 @@ def _scandir(path: bytes) -> list[tuple[bytes, os.stat_result]]:
             except FileNotFoundError:
                 continue
     return out
+
+
+def _rmdir_with_orphans(path: bytes) -> None:
+    """rmdir; if only write-back temporary files keep the backing dir from being empty, they
+    are orphans (no dirty file lives in this dir: the caller checked) and go first."""
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:
+            raise
+        names = os.listdir(path)
+        if not names or not all(is_tmp_name(n) for n in names):
+            raise
+        for n in names:
+            try:
+                os.unlink(path + b"/" + n)
+            except FileNotFoundError:
+                pass
+        os.rmdir(path)
 
 
 def _fsync_dir(path: bytes) -> None:
@@ -210,6 +230,8 @@ class Operations(pyfuse3.Operations):
         entry = self.inodes.remember(path, st)
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
+        if entry.dirty is not None:  # another hard link of a file being written
+            return await self._dirty_attrs(entry, entry.dirty)
         return self._attrs(entry.inode, st)
 
     async def _exists(self, path: bytes) -> os.stat_result | DirtyFile | None:
@@ -349,9 +371,14 @@ class Operations(pyfuse3.Operations):
             for i in range(start_id, len(h.entries)):
                 name, obj = h.entries[i]
                 path = self.inodes.child_path(parent, name)
+                if isinstance(obj, DirtyFile) and obj.path != path:
+                    continue  # renamed or unlinked since opendir
+                if isinstance(obj, DirtyFile) and obj.state.value == "clean":
+                    # written back since opendir: the backing file is the entry now
+                    obj = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+                    if obj is None:
+                        continue
                 if isinstance(obj, DirtyFile):
-                    if obj.path != path:
-                        continue  # renamed or unlinked since opendir
                     entry = self.inodes.remember_dirty(path, obj)
                     attrs = await self._dirty_attrs(entry, obj)
                 else:
@@ -394,7 +421,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if self.wb.has_children(path):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
-            await self.meta.run(os.rmdir, self.inodes.abs(path))
+            await self.meta.run(_rmdir_with_orphans, self.inodes.abs(path))
             self.inodes.detach(path)
 
     def _new_child(self, parent_inode: int, name: bytes) -> bytes:
@@ -428,20 +455,27 @@ class Operations(pyfuse3.Operations):
                 # A hard link shares one inode: put the file on the backing store first.
                 await self.wb.wait_durable([entry.dirty], timeout=float("inf"))
             src = self.inodes.backing_path(entry)
-            await self.meta.run(os.link, src, self.inodes.abs(new_path), follow_symlinks=False)
+            await self.meta.run(partial(os.link, src, self.inodes.abs(new_path), follow_symlinks=False))
+            if entry.dirty is not None and entry.dirty.state.value != "clean":
+                # still open for writing: its later write-back must keep the link, and both
+                # names are one inode
+                self.wb.set_in_place(entry.dirty)
+                st = await self.meta.run(os.lstat, src)
+                self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             return await self._lookup_path(new_path)
 
     async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("unlink"):
             path = self._new_child(parent_inode, name)
             df = self.wb.get(path)
+            if df is not None:
+                await self.wb.unlink(df)
+            # stat the backing store only now: a write-back may have just put the file there
             st = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
             if df is None and st is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             if st is not None and stat.S_ISDIR(st.st_mode) and df is None:
                 raise pyfuse3.FUSEError(errno.EISDIR)
-            if df is not None:
-                await self.wb.unlink(df)
             if st is not None and not stat.S_ISDIR(st.st_mode):
                 await self.meta.run(os.unlink, self.inodes.abs(path))
             self.inodes.detach(path)
@@ -463,13 +497,21 @@ class Operations(pyfuse3.Operations):
             src_is_dir = isinstance(src, os.stat_result) and stat.S_ISDIR(src.st_mode)
             if isinstance(target, os.stat_result) and stat.S_ISDIR(target.st_mode) and not src_is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
+            if isinstance(target, DirtyFile) and src_is_dir:
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            if src_is_dir and self.wb.has_children(new):
+                raise pyfuse3.FUSEError(errno.ENOTEMPTY)  # the target dir holds unwritten files
             self.inodes.detach(new)
+            moved = False
             if isinstance(src, DirtyFile):
-                shadowed = await self.meta.run(_lstat_or_none, self.inodes.abs(old))
-                await self.wb.rename(src, new)
-                if shadowed is not None and not stat.S_ISDIR(shadowed.st_mode):
-                    await self.meta.run(os.unlink, self.inodes.abs(old))
-            else:
+                moved = await self.wb.rename(src, new)
+                if moved:
+                    # an older version under the old name must not reappear there (stat only
+                    # now: the dirty file itself is no longer at `old`)
+                    shadowed = await self.meta.run(_lstat_or_none, self.inodes.abs(old))
+                    if shadowed is not None and not stat.S_ISDIR(shadowed.st_mode):
+                        await self.meta.run(os.unlink, self.inodes.abs(old))
+            if not moved:  # a clean object (or one written back just now): rename it on the backing store
                 tdf = self.wb.get(new)
                 if tdf is not None:
                     await self.wb.unlink(tdf)
@@ -478,7 +520,7 @@ class Operations(pyfuse3.Operations):
                     self.wb.rename_dir(old, new)
             self.inodes.rename(old, new)
 
-    # -- attributes ------------------------------------------------------------------------
+    # -- attributes (setattr) ----------------------------------------------------------------
     async def setattr(self, inode, attr, fields, fh, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("setattr"):
             if self._is_control(inode):
@@ -536,6 +578,8 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
         if truncate or st.st_size == 0:
             df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
+            if st.st_nlink > 1:
+                self.wb.set_in_place(df)
         else:
             bf = await self._backing_file(self.inodes.abs(path))
             access = AccessState()
@@ -544,6 +588,8 @@ class Operations(pyfuse3.Operations):
                     path, st, lambda off, n: self.cache.read(bf, off, n, access), self.inodes.abs(path))
             finally:
                 self._release_backing(bf)
+            if st.st_nlink > 1:
+                self.wb.set_in_place(df)
         self.inodes.attach(entry, df)
         return df
 

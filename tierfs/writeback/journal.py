@@ -27,6 +27,7 @@ class JournalRow:
     path: bytes | None  # where the file belongs (relative to the backing root); None: unlinked
     tmp: bytes | None  # a write-back's temporary file on the backing store, if one was started
     through: bool  # written through: the bytes live in ``tmp`` on the backing store
+    in_place: bool = False  # hard-linked on the backing store: written back into the same inode
 
 
 class Journal:
@@ -40,6 +41,9 @@ class Journal:
             "CREATE TABLE IF NOT EXISTS dirty (id INTEGER PRIMARY KEY AUTOINCREMENT, path BLOB,"
             " tmp BLOB, through INTEGER DEFAULT 0)"
         )
+        cols = [r[1] for r in self._db.execute("PRAGMA table_info(dirty)")]
+        if "in_place" not in cols:
+            self._db.execute("ALTER TABLE dirty ADD COLUMN in_place INTEGER DEFAULT 0")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
         self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
 
@@ -67,12 +71,15 @@ class Journal:
     def set_tmp(self, id: int, tmp: bytes | None, through: bool = False) -> None:
         self._exec("UPDATE dirty SET tmp=?, through=? WHERE id=?", (tmp, int(through), id))
 
+    def set_in_place(self, id: int) -> None:
+        self._exec("UPDATE dirty SET in_place=1 WHERE id=?", (id,))
+
     def remove(self, id: int) -> None:
         self._exec("DELETE FROM dirty WHERE id=?", (id,))
 
     def rows(self) -> list[JournalRow]:
-        cur = self._exec("SELECT id, path, tmp, through FROM dirty ORDER BY id", ())
-        return [JournalRow(i, p, t, bool(th)) for i, p, t, th in cur.fetchall()]
+        cur = self._exec("SELECT id, path, tmp, through, in_place FROM dirty ORDER BY id", ())
+        return [JournalRow(i, p, t, bool(th), bool(ip)) for i, p, t, th, ip in cur.fetchall()]
 
     def sync(self) -> None:
         """Make every commit so far durable (blocking: call from a device thread)."""

@@ -20,6 +20,7 @@ answered, so :meth:`WriteBack.recover` can resume after ``kill -9``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import logging
@@ -69,6 +70,7 @@ class DirtyFile:
     since: float = field(default_factory=time.monotonic)
     deadline: float = math.inf
     through: bool = False
+    in_place: bool = False  # hard-linked on the backing store: written back into its inode
     tmp: bytes | None = None
     accounted: int = 0  # bytes charged to the write tier
     error: str | None = None
@@ -168,6 +170,15 @@ def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
     finally:
         if src_fd != tmp_fd:
             os.close(tmp_fd)
+
+
+def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
+    os.ftruncate(dst, size)
+    st = os.fstat(src)
+    os.fchmod(dst, st.st_mode & 0o7777)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.fsync(dst)
+    return os.fstat(dst)
 
 
 def _commit(tmp: bytes, final: bytes) -> os.stat_result:
@@ -388,14 +399,36 @@ class WriteBack:
         return head + b"/" + name if head else name
 
     # -- namespace -------------------------------------------------------------------------
-    async def rename(self, df: DirtyFile, new_path: bytes) -> None:
-        async with df.commit_lock:
+    def set_in_place(self, df: DirtyFile) -> None:
+        """The backing file has other hard links: write back into that inode (no temporary
+        file and rename, which would cut the links). Not atomic under a crash: documented."""
+        if not df.in_place:
+            df.in_place = True
+            self.journal.set_in_place(df.id)
+
+    async def rename(self, df: DirtyFile, new_path: bytes) -> bool:
+        """Move a dirty file to ``new_path`` (replacing a dirty file there). Returns False if
+        ``df`` was written back (became clean) before the locks were had: the caller then
+        renames the backing file instead. Locks are taken in id order: two renames crossing
+        each other cannot deadlock."""
+        target = self.by_path.get(new_path)
+        locks = sorted({id(x): x for x in (df, target) if x is not None}.values(), key=lambda d: d.id)
+        async with contextlib.AsyncExitStack() as stack:
+            for d in locks:
+                await stack.enter_async_context(d.commit_lock)
+            if df.state is DirtyState.CLEAN or df.path is None:
+                return False
             target = self.by_path.get(new_path)
             if target is not None and target is not df:
-                await self._unlink_locked(target)
-            if df.path is not None and self.by_path.get(df.path) is df:
+                if target.commit_lock.locked() and target not in locks:
+                    async with target.commit_lock:
+                        await self._unlink_locked(target)
+                else:
+                    await self._unlink_locked(target)
+            if self.by_path.get(df.path) is df:
                 del self.by_path[df.path]
             df.path = new_path
+            df.touch()
             self.by_path[new_path] = df
             self.journal.set_path(df.id, new_path)
             if df.through and df.tmp is not None:
@@ -405,6 +438,7 @@ class WriteBack:
                                     Klass.DEMAND, nbytes=0)
                 df.tmp = new_tmp
                 self.journal.set_tmp(df.id, new_tmp, through=True)
+            return True
 
     def rename_dir(self, old: bytes, new: bytes) -> None:
         moved = [(p, df) for p, df in self.by_path.items() if p.startswith(old + b"/")]
@@ -420,9 +454,14 @@ class WriteBack:
                 if df.tmp is not None:
                     self.journal.set_tmp(df.id, df.tmp, through=df.through)
 
-    async def unlink(self, df: DirtyFile) -> None:
+    async def unlink(self, df: DirtyFile) -> bool:
+        """Forget a dirty file's changes. False if it was written back before the lock was had
+        (the caller then removes the backing file, which now holds it)."""
         async with df.commit_lock:
+            if df.state is DirtyState.CLEAN:
+                return False
             await self._unlink_locked(df)
+            return True
 
     async def _unlink_locked(self, df: DirtyFile) -> None:
         if df.path is not None and self.by_path.get(df.path) is df:
@@ -540,6 +579,11 @@ class WriteBack:
                 assert df.tmp is not None
                 tmp_abs = self.root + b"/" + df.tmp
                 await self._io(df, partial(_finish_tmp, df.fd, df.fd, df.size), 0)
+            elif df.in_place:
+                assert df.path is not None
+                st = await self._write_in_place(df, gen)
+                self._finish_success(df, gen, st)
+                return
             else:
                 tmp_rel = self._tmp_name(df)
                 tmp_abs = self.root + b"/" + tmp_rel
@@ -578,16 +622,7 @@ class WriteBack:
                         os.fsdecode(df.path or b"?"), RETRY_S, e)
             self._notify(df, math.inf)
         else:
-            df.error = None
-            df.durable_gen = gen
-            self.written_files += 1
-            self.written_bytes += df.size
-            self.device_bytes += df.size
-            self._notify(df, gen)
-            if df.gen == gen and df.writers == 0:
-                self._mark_clean(df, st)  # type: ignore[arg-type]
-            else:
-                df.state = DirtyState.DIRTY
+            self._finish_success(df, gen, st)  # type: ignore[arg-type]
         finally:
             self.writeback_seconds += time.monotonic() - t0
             if tmp_abs is not None and not df.through:
@@ -596,6 +631,35 @@ class WriteBack:
                 except (OSError, TierfsError):
                     pass
                 self.journal.set_tmp(df.id, None)
+
+    async def _write_in_place(self, df: DirtyFile, gen: int) -> os.stat_result:
+        assert df.path is not None
+        out = await self._io(df, partial(os.open, self.root + b"/" + df.path, os.O_WRONLY | os.O_CLOEXEC), 0)
+        assert isinstance(out, int)
+        try:
+            off = 0
+            while off < df.size:
+                self._check(df, gen)
+                n = min(self.slice_size, df.size - off)
+                await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
+                               remaining=df.size - off)
+                off += n
+            st = await self._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
+        finally:
+            os.close(out)
+        return st  # type: ignore[return-value]
+
+    def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result) -> None:
+        df.error = None
+        df.durable_gen = gen
+        self.written_files += 1
+        self.written_bytes += df.size
+        self.device_bytes += df.size
+        self._notify(df, gen)
+        if df.gen == gen and df.writers == 0:
+            self._mark_clean(df, st)
+        else:
+            df.state = DirtyState.DIRTY
 
     def _check(self, df: DirtyFile, gen: int) -> None:
         if df.gen != gen or df.path is None:
@@ -674,7 +738,7 @@ class WriteBack:
             fd = await self.device.run(os.open, data_path, os.O_RDWR | os.O_CLOEXEC)
             size = os.fstat(fd).st_size
             df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
-                           deadline=trio.current_time() + self.deadline_s)
+                           deadline=trio.current_time() + self.deadline_s, in_place=row.in_place)
             self.tier.dirty += blocks(size)
             df.accounted = blocks(size)
             self.files[row.id] = df
