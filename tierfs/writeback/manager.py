@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import math
 import os
@@ -77,11 +78,43 @@ class DirtyFile:
     retry_at: float = 0.0
     waiters: list[tuple[int, trio.Event]] = field(default_factory=list)
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
+    pins: int = 0  # operations using ``fd`` across an await; it is closed only at zero
+    close_pending: bool = False  # released (clean or discarded) while pinned
 
     def touch(self) -> None:
         self.gen += 1
         if self.state is DirtyState.CLEAN:
             self.state = DirtyState.DIRTY
+
+
+def _pins_df(fn):  # type: ignore[no-untyped-def]
+    """Decorator: the DirtyFile argument stays pinned (its fd open) while ``fn`` runs. Without
+    it a write-back finishing meanwhile closed the fd under a setxattr (EBADF), or a discard
+    closed it under a write-back copy (a reused fd number could be read instead)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, df, *args, **kwargs):  # type: ignore[no-untyped-def]
+        df.pins += 1
+        try:
+            return await fn(self, df, *args, **kwargs)
+        finally:
+            df.pins -= 1
+            if df.pins == 0 and df.close_pending:
+                _close_released(df)
+
+    return wrapper
+
+
+def _close_released(df: DirtyFile) -> None:
+    """Close and remove the data of a released dirty file (called once nobody uses it)."""
+    df.close_pending = False
+    if df.fd >= 0:
+        os.close(df.fd)
+        df.fd = -1
+    if df.through and df.tmp is not None and df.path is None:
+        return  # an unlinked write-through file: its temporary file is removed by _discard
+    if not df.through:
+        _unlink_quiet(df.data_path)  # an unlink in the write tier: metadata only
 
 
 class _Timed:
@@ -306,6 +339,7 @@ class WriteBack:
             self.tier.dirty -= df.accounted - keep
             df.accounted = keep
 
+    @_pins_df
     async def write(self, df: DirtyFile, offset: int, data: bytes, touch_mtime: bool = True) -> int:
         """Write at ``offset``. Raises OSError(ENOSPC) only if the backing store is full."""
         end = offset + len(data)
@@ -327,6 +361,7 @@ class WriteBack:
             df.size = end
         return len(data)
 
+    @_pins_df
     async def read(self, df: DirtyFile, offset: int, size: int) -> bytes:
         if offset >= df.size:
             return b""
@@ -336,6 +371,7 @@ class WriteBack:
                                        nbytes=size, written=False)
         return await self.data_device.run(pread_exact, df.fd, size, offset)
 
+    @_pins_df
     async def truncate(self, df: DirtyFile, size: int) -> None:
         if not df.through and size > df.size and not await self._charge(df, size):
             await self._to_through(df)
@@ -350,6 +386,7 @@ class WriteBack:
     async def stat(self, df: DirtyFile) -> os.stat_result:
         return os.fstat(df.fd)  # fstat of an open fd: no I/O
 
+    @_pins_df
     async def set_attrs(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
                         gid: int | None = None, times: tuple[int, int] | None = None) -> None:
         def apply() -> None:
@@ -363,9 +400,11 @@ class WriteBack:
         df.touch()
         await self.device.run(apply)
 
+    @_pins_df
     async def xattr(self, df: DirtyFile, fn: Callable[[int], object]) -> object:
         return await self.device.run(fn, df.fd)
 
+    @_pins_df
     async def _to_through(self, df: DirtyFile) -> None:
         """Move a file the write tier cannot hold to a temporary file on the backing store."""
         if df.path is None:
@@ -476,13 +515,12 @@ class WriteBack:
         """Forget an unlinked dirty file whose last handle closed."""
         self.files.pop(df.id, None)
         self._uncharge(df, 0)
-        if df.fd >= 0:
-            os.close(df.fd)
-            df.fd = -1
         if df.through and df.tmp is not None:
             await self.sched.io(partial(_unlink_quiet, self.root + b"/" + df.tmp), Klass.DEMAND, nbytes=0)
+        if df.pins:
+            df.close_pending = True  # closed when the last user is done
         else:
-            await self.device.run(_unlink_quiet, df.data_path)
+            _close_released(df)
         self.journal.remove(df.id)
         self._notify(df, math.inf)
 
@@ -504,6 +542,7 @@ class WriteBack:
         elif df.handles == 0 and df.state is DirtyState.CLEAN:
             self._release_clean(df)
 
+    @_pins_df
     async def fsync(self, df: DirtyFile) -> None:
         """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
         if df.through:
@@ -569,6 +608,7 @@ class WriteBack:
                 continue
             await self._write_back(df)
 
+    @_pins_df
     async def _write_back(self, df: DirtyFile) -> None:
         gen = df.gen
         df.state = DirtyState.WRITING
@@ -703,11 +743,10 @@ class WriteBack:
     def _release_clean(self, df: DirtyFile) -> None:
         self.files.pop(df.id, None)
         self._uncharge(df, 0)
-        if df.fd >= 0:
-            os.close(df.fd)
-            df.fd = -1
-        if not df.through:
-            _unlink_quiet(df.data_path)  # an unlink in the write tier: metadata only
+        if df.pins:
+            df.close_pending = True  # closed when the last user is done
+        else:
+            _close_released(df)
 
     # -- recovery --------------------------------------------------------------------------
     async def recover(self) -> int:
