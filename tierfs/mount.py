@@ -248,7 +248,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         data_device=io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S),
         scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
-        fsync_backing=cfg.fsync == "backing")
+        # fsync means durable on a persistent tier: a RAM write tier is not one, so there
+        # fsync waits for the backing store
+        fsync_backing=cfg.fsync == "backing" or wt_name == "ram")
 
     async def ctl(request: bytes) -> bytes:
         try:
