@@ -145,11 +145,6 @@ def test_c05_lmdb_shared_mmap_and_locks(tiermount, tmp_path: Path, writemap: boo
     assert leftovers(m.backing) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a file written back while still open for writing (tierfs flush) "
-                   "stays DIRTY forever after its last close: _finish_success sets state DIRTY with "
-                   "durable_gen == gen (tierfs/writeback/manager.py:702) and _next_job only picks files with "
-                   "durable_gen < gen (:597), so nothing ever marks it clean: its data file and journal row "
-                   "stay, and the next mount's recovery writes that stale copy over the backing file")
 def test_c05_lmdb_flush_while_env_open_then_close(tiermount) -> None:
     """C05 with the writer's env open for the whole run (a training job's lmdb cache) while
     ``tierfs flush`` runs (a checkpoint step), then the env is closed: once closed and past its
@@ -262,7 +257,6 @@ REPLACED_REASON = ("BUG: a name replaced by rename (or unlinked) between a reade
                    "file. Readers of an atomically replaced checkpoint see it missing")
 
 
-@pytest.mark.xfail(strict=True, reason=REPLACED_REASON)
 def test_c07_replace_loop_with_reader(tiermount, tmp_path: Path) -> None:
     """C07 step 4: the target is replaced 100 times (temp file, fsync, fchmod, ``os.replace``,
     fsync of the directory) while another process reads it in a loop: the reader always sees a
@@ -293,7 +287,6 @@ def test_c07_replace_loop_with_reader(tiermount, tmp_path: Path) -> None:
     assert leftovers(m.backing) == []
 
 
-@pytest.mark.xfail(strict=True, reason=REPLACED_REASON)
 def test_c07_open_after_lookup_of_replaced_name(tiermount, tmp_path: Path) -> None:
     """C07, the reader's race made deterministic: the path is resolved first (``O_PATH``, the
     lookup), the name is then replaced, and the resolved file is opened (through
@@ -421,11 +414,6 @@ def test_c09_o_trunc_shorter_overwrite(tiermount, tmp_path: Path) -> None:
     assert _grep_tree(m.mnt / "c09", OLD) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (minor): the old version's clean chunks stay in the RAM tier after a "
-                   "truncating overwrite and its write-back: open() with O_TRUNC makes the file dirty without "
-                   "dropping its cached chunks, and _on_clean sets entry.last_key to the new identity "
-                   "(tierfs/fs/operations.py:748), so the change check at open (:640-645, cache.drop_file) never "
-                   "fires; they are never served, but stay until evicted")
 def test_c09_no_old_bytes_left_in_the_tiers(tiermount) -> None:
     """C09 "Expected": after a truncating overwrite of a cached file and write-back, no old
     byte survives in $CACHE (the tier directories) either."""

@@ -562,10 +562,6 @@ def _dir_times_scenario(root: Path, how: str, tmp_path: Path) -> None:
         subprocess.run(["tar", "-xf", str(shard), "-C", str(root)], check=True)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: write-back creates .tierfs-wb.* in the target dir and renames it "
-                   "into place (tierfs/writeback/manager.py:632, :219), which changes the backing directory's "
-                   "mtime after the application set it; the mount shows the backing dir's stat as is "
-                   "(tierfs/fs/operations.py:183)")
 @pytest.mark.parametrize("how", ["utime", "tar"])
 def test_directory_mtime_survives_write_back(wm: Mount, wdir: Path, tmp_path: Path, how: str) -> None:
     """A directory mtime an application sets (``tar -x``, ``cp -a``, ``rsync -a`` restore them

@@ -9,8 +9,9 @@ links share an inode. An inode is forgotten when the kernel's lookup count drops
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 
@@ -31,6 +32,8 @@ class InodeEntry:
     lookups: int = 0
     last_key: str | None = None  # identity key seen at the last open (change detection)
     dirty: DirtyFile | None = None  # set while the file has changes not on the backing store
+    orphan: Any = None  # BackingFile kept open: the name was unlinked or replaced while the
+    #                     kernel still held this inode (it may still open it, as on a local fs)
 
 
 class InodeTable:
@@ -40,6 +43,11 @@ class InodeTable:
         root = InodeEntry(ROOT, b"", (root_stat.st_dev, root_stat.st_ino), lookups=1)
         self.by_inode: dict[int, InodeEntry] = {ROOT: root}
         self.by_dev_ino: dict[tuple[int, int], InodeEntry] = {root.dev_ino: root}
+        self.on_forget: Callable[[InodeEntry], None] | None = None
+
+    def at_path(self, path: bytes) -> list[InodeEntry]:
+        """Entries the kernel holds (lookups > 0) for ``path``."""
+        return [e for e in self.by_inode.values() if e.path == path and e.lookups > 0]
 
     def __len__(self) -> int:
         return len(self.by_inode)
@@ -134,3 +142,5 @@ class InodeTable:
             del self.by_inode[inode]
             if self.by_dev_ino.get(entry.dev_ino) is entry:
                 del self.by_dev_ino[entry.dev_ino]
+            if self.on_forget is not None:
+                self.on_forget(entry)

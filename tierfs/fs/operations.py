@@ -162,6 +162,7 @@ class Operations(pyfuse3.Operations):
         self.write_bytes = 0
         self._dirty_locks: dict[int, trio.Lock] = {}
         writeback.on_clean = self._on_clean
+        inodes.on_forget = self._on_forget
 
     # -- attributes ------------------------------------------------------------------------
     def _attrs(self, inode: int, st: os.stat_result, *, nlink: int | None = None) -> pyfuse3.EntryAttributes:
@@ -207,6 +208,8 @@ class Operations(pyfuse3.Operations):
         return inode == CONTROL_DIR or inode in self.control.by_inode
 
     async def _lstat(self, entry: InodeEntry) -> os.stat_result:
+        if entry.path is None and entry.orphan is not None:
+            return os.fstat(entry.orphan.fd)
         if entry.path is None:
             for h in self.handles.handles.values():  # unlinked but open: its descriptor knows
                 if isinstance(h, FileHandle) and h.inode == entry.inode and h.file is not None:
@@ -464,9 +467,34 @@ class Operations(pyfuse3.Operations):
                 self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             return await self._lookup_path(new_path)
 
+    async def _preserve(self, path: bytes) -> None:
+        """Before ``path`` is unlinked or renamed over: an inode the kernel still holds for it
+        (a process looked the name up and may open it next, e.g. a reader racing ``os.replace``)
+        stays openable with its old content until the kernel forgets it, as on a local fs: a
+        clean file through a held backing fd, a dirty one by keeping its data file."""
+        for entry in self.inodes.at_path(path):
+            df = entry.dirty
+            if df is not None and df.state.value != "clean":
+                if not getattr(entry, "kept", False):
+                    df.keep += 1
+                    entry.kept = True  # type: ignore[attr-defined]
+            elif entry.orphan is None:
+                st = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+                if st is not None and stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == entry.dev_ino:
+                    entry.orphan = await self._backing_file(self.inodes.abs(path))
+
+    def _on_forget(self, entry: InodeEntry) -> None:
+        if entry.orphan is not None:
+            self._release_backing(entry.orphan)
+            entry.orphan = None
+        if getattr(entry, "kept", False) and entry.dirty is not None and self.nursery is not None:
+            entry.kept = False  # type: ignore[attr-defined]
+            self.nursery.start_soon(self.wb.unkeep, entry.dirty)
+
     async def unlink(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("unlink"):
             path = self._new_child(parent_inode, name)
+            await self._preserve(path)
             df = self.wb.get(path)
             if df is not None:
                 await self.wb.unlink(df)
@@ -501,6 +529,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if src_is_dir and self.wb.has_children(new):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)  # the target dir holds unwritten files
+            await self._preserve(new)
             self.inodes.detach(new)
             moved = False
             if isinstance(src, DirtyFile):
@@ -624,6 +653,8 @@ class Operations(pyfuse3.Operations):
                 return pyfuse3.FileInfo(fh=self.handles.add(h), direct_io=True)
             entry = self.inodes.get(inode)
             writer = bool(flags & _WRITE_FLAGS)
+            if entry.path is None:
+                return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
             h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND))
             if writer or flags & os.O_TRUNC:
                 df = await self._make_dirty(entry, truncate=bool(flags & os.O_TRUNC))
@@ -645,6 +676,23 @@ class Operations(pyfuse3.Operations):
                     self.nursery.start_soon(self.cache.drop_file, old)
             entry.last_key = key
             return pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=not changed, direct_io=False)
+
+    def _open_unlinked(self, entry: InodeEntry, writer: bool) -> pyfuse3.FileInfo:
+        """Open of an inode whose name was unlinked or replaced after the kernel looked it up:
+        the old content, kept by :meth:`_preserve` (reading only)."""
+        if writer:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        h = FileHandle(entry.inode)
+        if entry.dirty is not None and entry.dirty.fd >= 0:
+            h.dirty = entry.dirty
+            self.wb.opened(entry.dirty, False)
+        elif entry.orphan is not None:
+            h.file = entry.orphan
+            entry.orphan.acquire()
+            entry.orphan.opens += 1
+        else:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=True, direct_io=False)
 
     async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("create"):
@@ -745,4 +793,8 @@ class Operations(pyfuse3.Operations):
         entry.dirty = None
         if st is not None and df.path is not None:
             self.inodes.rekey(entry, (st.st_dev, st.st_ino))
+            old = entry.last_key
             entry.last_key = Identity.of(os.fsdecode(self.inodes.abs(df.path)), st).key
+            if old is not None and old != entry.last_key and self.nursery is not None:
+                # the cached chunks of the content before this write are stale: free them now
+                self.nursery.start_soon(self.cache.drop_file, old)

@@ -72,6 +72,7 @@ class DirtyFile:
     deadline: float = math.inf
     through: bool = False
     in_place: bool = False  # hard-linked on the backing store: written back into its inode
+    dir_times: tuple[tuple[int, int], int] | None = None  # dir times around a write-through's start
     tmp: bytes | None = None
     accounted: int = 0  # bytes charged to the write tier
     error: str | None = None
@@ -79,6 +80,7 @@ class DirtyFile:
     waiters: list[tuple[int, trio.Event]] = field(default_factory=list)
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     pins: int = 0  # operations using ``fd`` across an await; it is closed only at zero
+    keep: int = 0  # kernel inodes that may still open it after an unlink (see Operations._preserve)
     close_pending: bool = False  # released (clean or discarded) while pinned
 
     def touch(self) -> None:
@@ -214,10 +216,37 @@ def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
     return os.fstat(dst)
 
 
-def _commit(tmp: bytes, final: bytes) -> os.stat_result:
-    """Rename into place and make the rename durable (fsync of the directory)."""
+def _dir_times(path: bytes) -> tuple[int, int]:
+    st = os.stat(os.path.dirname(path) or b".")
+    return (st.st_atime_ns, st.st_mtime_ns)
+
+
+DirTimes = tuple[tuple[int, int], int]  # (atime_ns, mtime_ns) before, mtime_ns after creating
+
+
+def _open_tmp(tmp: bytes, flags: int) -> tuple[int, DirTimes]:
+    """Create a write-back temporary file; returns it and its directory's times before and
+    after (the commit gives the directory its times back: the temporary file is tierfs'
+    business, not the user's)."""
+    before = _dir_times(tmp)
+    fd = os.open(tmp, flags, 0o600)
+    return fd, (before, _dir_times(tmp)[1])
+
+
+def _commit(tmp: bytes, final: bytes, dir_times: DirTimes | None = None) -> os.stat_result:
+    """Rename into place, give the directory back its times (those from before write-back
+    touched it, or, if someone set them meanwhile - ``tar -x``, ``cp -a`` and ``rsync -a``
+    restore directory times last - those), and make it durable."""
+    parent = os.path.dirname(final) or b"."
+    restore = None
+    if dir_times is not None:
+        before, after_create = dir_times
+        st = os.stat(parent)
+        restore = before if st.st_mtime_ns == after_create else (st.st_atime_ns, st.st_mtime_ns)
     os.rename(tmp, final)
-    dfd = os.open(os.path.dirname(final) or b".", os.O_RDONLY | os.O_DIRECTORY)
+    if restore is not None:
+        os.utime(parent, ns=restore)
+    dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
@@ -414,8 +443,9 @@ class WriteBack:
         self.journal.set_tmp(df.id, tmp_rel, through=True)
         log.info("write tier %s full: writing %s through to the backing store", self.tier.name,
                  os.fsdecode(df.path))
-        out = await self.sched.io(partial(os.open, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
-                                  Klass.DEMAND, nbytes=0)
+        opened = await self.sched.io(partial(_open_tmp, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC),
+                                     Klass.DEMAND, nbytes=0)
+        out, df.dir_times = opened  # type: ignore[misc]
         assert isinstance(out, int)
         off = 0
         while off < df.size:
@@ -508,7 +538,7 @@ class WriteBack:
         df.path = None
         df.touch()
         self.journal.set_path(df.id, None)
-        if df.handles == 0:
+        if df.handles == 0 and df.keep == 0:
             await self._discard(df)
 
     async def _discard(self, df: DirtyFile) -> None:
@@ -537,12 +567,18 @@ class WriteBack:
             if df.writers == 0 and df.path is not None:
                 df.deadline = trio.current_time() + self.deadline_s
                 self._wake.set()
-        if df.handles == 0 and df.path is None:
+        if df.handles == 0 and df.path is None and df.keep == 0:
             await self._discard(df)
         elif df.handles == 0 and df.state is DirtyState.CLEAN:
             self._release_clean(df)
 
     @_pins_df
+    async def unkeep(self, df: DirtyFile) -> None:
+        """The kernel forgot an inode that kept an unlinked dirty file reachable."""
+        df.keep -= 1
+        if df.keep == 0 and df.handles == 0 and df.path is None and df.id in self.files:
+            await self._discard(df)
+
     async def fsync(self, df: DirtyFile) -> None:
         """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
         if df.through:
@@ -594,7 +630,8 @@ class WriteBack:
         now = trio.current_time()
         ready = [df for df in self.files.values()
                  if df.state is DirtyState.DIRTY and df.path is not None and df.retry_at <= now
-                 and (df.writers == 0 or df.waiters) and df.durable_gen < df.gen]
+                 and (df.writers == 0 or df.waiters)
+                 and (df.durable_gen < df.gen or df.writers == 0)]
         return min(ready, key=lambda d: d.deadline) if ready else None
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
@@ -615,6 +652,15 @@ class WriteBack:
         t0 = time.monotonic()
         tmp_abs: bytes | None = None
         try:
+            if df.durable_gen >= gen and not df.through:
+                # Written back while still open (a flush); closed since, unchanged: it is
+                # clean as it is, no second copy needed.
+                assert df.path is not None
+                st = await self._io(df, partial(os.lstat, self.root + b"/" + df.path), 0)
+                async with df.commit_lock:
+                    self._check(df, gen)
+                    self._finish_success(df, gen, st)  # type: ignore[arg-type]
+                return
             if df.through:
                 assert df.tmp is not None
                 tmp_abs = self.root + b"/" + df.tmp
@@ -628,8 +674,9 @@ class WriteBack:
                 tmp_rel = self._tmp_name(df)
                 tmp_abs = self.root + b"/" + tmp_rel
                 self.journal.set_tmp(df.id, tmp_rel)
-                out = await self._io(df, partial(os.open, tmp_abs,
-                                                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), 0)
+                opened = await self._io(df, partial(_open_tmp, tmp_abs,
+                                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC), 0)
+                out, dir_times = opened  # type: ignore[misc]
                 assert isinstance(out, int)
                 try:
                     off = 0
@@ -647,7 +694,8 @@ class WriteBack:
             async with df.commit_lock:
                 self._check(df, gen)
                 assert df.path is not None
-                st = await self._io(df, partial(_commit, tmp_abs, self.root + b"/" + df.path), 0)
+                st = await self._io(df, partial(_commit, tmp_abs, self.root + b"/" + df.path,
+                                                df.dir_times if df.through else dir_times), 0)
                 tmp_abs = None
                 df.tmp = None
                 self.journal.set_tmp(df.id, None)
