@@ -567,9 +567,6 @@ def test_dead_daemon_never_leaves_enotconn(tiermount) -> None:
 
 
 # -- bugs ----------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="BUG: kill -9 during the copy-up of an existing file opened "
-                   "r+ (nothing written) truncates the backing file: the journal row is added before "
-                   "the copy finishes (WriteBack.copy_up -> create), recovery writes the partial copy back")
 def test_kill9_during_copy_up_keeps_backing_file(tiermount) -> None:
     """Opening an existing file for writing (``open(p, "r+b")``, ``np.memmap(mode="r+")``) makes
     a dirty copy of it. ``kill -9`` while that copy is made (the writer has not written a
@@ -599,10 +596,6 @@ def test_kill9_during_copy_up_keeps_backing_file(tiermount) -> None:
     assert sha_file(m.backing / "big.bin") == want, "kill -9 during open(r+) truncated the backing file"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: open(O_RDWR) of a file recovered at mount (dirty, "
-                   "journaled) while its write-back finishes fails with EBADF: the copy-up's pwrite "
-                   "(WriteBack.write <- copy_up <- Operations._make_dirty_locked) gets a closed or "
-                   "reused fd, i.e. some fd is closed twice")
 def test_open_rdwr_of_recovered_file_during_its_writeback(tiermount) -> None:
     """After ``kill -9`` (or a clean umount with dirty data) the next mount writes the recovered
     files back; opening one of them read-write meanwhile (``open(p, "r+b")``, fio's verify pass,

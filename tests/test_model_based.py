@@ -319,9 +319,6 @@ def test_replace_racing_writeback(tiermount) -> None:
     assert names == {f"f{i}" for i in range(400)}, sorted(names ^ {f"f{i}" for i in range(400)})[:10]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: renaming the directory of a file whose write-back is "
-                   "running fails that write-back (ENOENT: _write_back keeps the old tmp path) and "
-                   "`tierfs flush` reports 'write-back failed'; it is retried only after RETRY_S=5s")
 def test_dir_rename_during_writeback(tiermount) -> None:
     """``mv run.tmp run`` (a directory) while a file in it is being written back: ``tierfs
     flush`` then succeeds, promptly, and the backing store has the file under the new name."""

@@ -319,12 +319,15 @@ class WriteBack:
 
     # -- creating --------------------------------------------------------------------------
     async def create(self, path: bytes, mode: int, uid: int, gid: int,
-                     times: tuple[int, int] | None = None) -> DirtyFile:
-        """A new, empty dirty file at ``path`` (replacing whatever the mount showed there)."""
+                     times: tuple[int, int] | None = None, *, journal: bool = True) -> DirtyFile:
+        """A new, empty dirty file at ``path`` (replacing whatever the mount showed there).
+        ``journal=False``: its journal row names no path yet (a copy-up in progress, which a
+        crash must discard, never write back over the good backing file); :meth:`copy_up`
+        names it once the copy is complete."""
         old = self.by_path.get(path)
         if old is not None:
             await self.unlink(old)
-        id_ = self.journal.add(path)
+        id_ = self.journal.add(path if journal else None)
         data_path = os.path.join(self.dirty_dir, str(id_))
         fd = await self.device.run(_create_data_file, data_path, mode, uid, gid, times)
         df = DirtyFile(id_, path, data_path, fd=fd)
@@ -335,17 +338,26 @@ class WriteBack:
     async def copy_up(self, path: bytes, st: os.stat_result, read: Callable[[int, int], object],
                       xattr_src: bytes | None) -> DirtyFile:
         """A dirty copy of an existing backing file, read through ``await read(offset, n)``."""
-        df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns))
-        if xattr_src is not None:
-            await self.device.run(_copy_xattrs, xattr_src, df.fd)
-        off = 0
-        while off < st.st_size:
-            n = min(self.slice_size, st.st_size - off)
-            data = await read(off, n)  # type: ignore[misc]
-            await self.write(df, off, data, touch_mtime=False)
-            off += n
-        if st.st_size:
-            await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
+        df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns),
+                               journal=False)
+        # Until the copy is complete it counts as a writer: the write-back worker must not
+        # commit a partial copy over the good backing file.
+        df.writers += 1
+        try:
+            if xattr_src is not None:
+                await self.device.run(_copy_xattrs, xattr_src, df.fd)
+            off = 0
+            while off < st.st_size:
+                n = min(self.slice_size, st.st_size - off)
+                data = await read(off, n)  # type: ignore[misc]
+                await self.write(df, off, data, touch_mtime=False)
+                off += n
+            if st.st_size:
+                await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
+        finally:
+            df.writers -= 1
+        if df.path is not None:
+            self.journal.set_path(df.id, df.path)  # complete: from now on it is a dirty file
         return df
 
     # -- data ------------------------------------------------------------------------------
@@ -648,6 +660,7 @@ class WriteBack:
     @_pins_df
     async def _write_back(self, df: DirtyFile) -> None:
         gen = df.gen
+        path0 = df.path
         df.state = DirtyState.WRITING
         t0 = time.monotonic()
         tmp_abs: bytes | None = None
@@ -702,6 +715,10 @@ class WriteBack:
         except _Abort:
             df.state = DirtyState.DIRTY
         except (OSError, TierfsError) as e:
+            if df.path != path0 or df.gen != gen:
+                # renamed (its directory too) or changed meanwhile: start again, not a failure
+                df.state = DirtyState.DIRTY
+                return
             self.failures += 1
             df.error = str(e)
             df.retry_at = trio.current_time() + RETRY_S
