@@ -656,10 +656,13 @@ class Operations(pyfuse3.Operations):
             if entry.path is None:
                 return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
             h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND))
-            if writer or flags & os.O_TRUNC:
-                df = await self._make_dirty(entry, truncate=bool(flags & os.O_TRUNC))
-                if flags & os.O_TRUNC and df.size:
+            if flags & os.O_TRUNC:
+                df = await self._make_dirty(entry, truncate=True)
+                if df.size:
                     await self.wb.truncate(df, 0)
+            # Opened for writing but not truncated: the file becomes dirty at its first write,
+            # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
+            # too: an eager copy-up copied and wrote back whole files nobody changed.
             df = entry.dirty if entry.dirty is not None and entry.dirty.state.value != "clean" else None
             if df is not None:
                 h.dirty = df
@@ -747,9 +750,16 @@ class Operations(pyfuse3.Operations):
             if isinstance(h, ControlHandle):
                 return await self._control_write(h, buf)
             assert isinstance(h, FileHandle)
-            df = h.dirty
-            if df is None or not h.writer:
+            if not h.writer:
                 raise pyfuse3.FUSEError(errno.EBADF)
+            df = h.dirty
+            if df is None or df.state.value == "clean":
+                # the first write through this handle: now the file becomes dirty
+                df = await self._make_dirty(self.inodes.get(h.inode), truncate=False)
+                if h.dirty is not None:
+                    await self.wb.closed(h.dirty, True)
+                h.dirty = df
+                self.wb.opened(df, True)
             if h.append:
                 off = df.size
             self.writes += 1
