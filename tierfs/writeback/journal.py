@@ -51,7 +51,7 @@ class Journal:
         with self._lock:
             return self._db.execute(sql, args)
 
-    def add(self, path: bytes) -> int:
+    def add(self, path: bytes | None) -> int:
         """A new dirty file at ``path``; returns its id (which names its data file)."""
         return int(self._exec("INSERT INTO dirty (path) VALUES (?)", (path,)).lastrowid or 0)
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import trio
 
@@ -457,8 +458,7 @@ class WriteBack:
                  os.fsdecode(df.path))
         opened = await self.sched.io(partial(_open_tmp, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC),
                                      Klass.DEMAND, nbytes=0)
-        out, df.dir_times = opened  # type: ignore[misc]
-        assert isinstance(out, int)
+        out, df.dir_times = cast("tuple[int, DirTimes]", opened)
         off = 0
         while off < df.size:
             n = min(self.slice_size, df.size - off)
@@ -689,16 +689,9 @@ class WriteBack:
                 self.journal.set_tmp(df.id, tmp_rel)
                 opened = await self._io(df, partial(_open_tmp, tmp_abs,
                                                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC), 0)
-                out, dir_times = opened  # type: ignore[misc]
-                assert isinstance(out, int)
+                out, dir_times = cast("tuple[int, DirTimes]", opened)
                 try:
-                    off = 0
-                    while off < df.size:
-                        self._check(df, gen)
-                        n = min(self.slice_size, df.size - off)
-                        await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
-                                       remaining=df.size - off)
-                        off += n
+                    await self._copy_slices(df, gen, out)
                     self._check(df, gen)
                 except BaseException:
                     os.close(out)
@@ -737,18 +730,24 @@ class WriteBack:
                     pass
                 self.journal.set_tmp(df.id, None)
 
+    async def _copy_slices(self, df: DirtyFile, gen: int, out: int) -> None:
+        """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
+        transaction per slice (each pushed to the disk before the next is picked); raises
+        _Abort as soon as the file changes or is unlinked."""
+        off = 0
+        while off < df.size:
+            self._check(df, gen)
+            n = min(self.slice_size, df.size - off)
+            await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
+                           remaining=df.size - off)
+            off += n
+
     async def _write_in_place(self, df: DirtyFile, gen: int) -> os.stat_result:
         assert df.path is not None
         out = await self._io(df, partial(os.open, self.root + b"/" + df.path, os.O_WRONLY | os.O_CLOEXEC), 0)
         assert isinstance(out, int)
         try:
-            off = 0
-            while off < df.size:
-                self._check(df, gen)
-                n = min(self.slice_size, df.size - off)
-                await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
-                               remaining=df.size - off)
-                off += n
+            await self._copy_slices(df, gen, out)
             st = await self._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
         finally:
             os.close(out)
