@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PKGS := fuse3 libfuse3-dev pkg-config bindfs nbdkit nbdkit-plugin-python nbdfuse fio e2fsprogs util-linux rsync tar
+APT_PKGS := fuse3 libfuse3-dev pkg-config bindfs nbdkit nbdkit-plugin-python libnbd-bin fio e2fsprogs util-linux rsync tar
 
 .PHONY: demo test bench lint setup system-deps clean
 

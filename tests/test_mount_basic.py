@@ -211,3 +211,30 @@ def test_fixture_unmounts_even_a_dead_daemon(tmp_path: Path) -> None:
 def test_cli_entry_point_runs() -> None:
     r = subprocess.run([sys.executable, "-m", "tierfs", "--help"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "mount" in r.stdout
+
+
+def test_umount_of_dead_daemon_frees_its_ram_tier(tiermount, tmp_path: Path) -> None:
+    from tierfs.mount import mount_id
+
+    write_random(tmp_path / "back" / "x", 3 * MiB)
+    m = tiermount(ram="32MiB")
+    assert (m.mnt / "x").read_bytes()
+    ram_dir = Path(f"/dev/shm/tierfs-{mount_id(str(m.mnt))}")
+    assert ram_dir.exists()
+    m.kill9()
+    r = tierfs_cmd("umount", str(m.mnt))
+    assert "RAM tier" in r.stdout
+    # the cached data (the memory) is freed; a write tier's journal, if any, stays for recovery
+    assert not (ram_dir / "data").exists()
+    assert not is_mounted(m.mnt)
+
+
+def test_umount_lazy_detaches_while_a_file_is_open(tiermount, tmp_path: Path) -> None:
+    write_random(tmp_path / "back" / "x", 1000)
+    m = tiermount()
+    with open(m.mnt / "x", "rb") as f:
+        r = tierfs_cmd("umount", "--lazy", str(m.mnt), timeout=30)  # returns while f is open
+        assert "detached" in r.stdout
+        assert not is_mounted(m.mnt)
+        assert len(f.read()) == 1000  # the open file still works
+    m.pid = 0

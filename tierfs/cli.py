@@ -147,7 +147,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
     except MountError:
         if mount_mod.is_mounted(mnt):  # a dead daemon's mount
             mount_mod.unmount(mnt, lazy=True)
-            print(f"tierfs: cleaned up the dead mount on {mnt}")
+            freed = mount_mod.free_dead_ram_tier(mnt)
+            print(f"tierfs: cleaned up the dead mount on {mnt}" + (" and its RAM tier" if freed else ""))
             return 0
         raise
     if args.flush:
@@ -157,6 +158,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
         print(f"tierfs: {len(reply['waited'])} files written back")
     if not mount_mod.unmount(mnt, lazy=args.lazy):
         raise MountError(f"{mnt} is busy (files open?); close them or use --lazy")
+    if args.lazy:
+        # detached now; the daemon serves the files still open and exits when they close
+        print(f"tierfs: detached {mnt}; daemon {pid} exits when the last open file is closed")
+        return 0
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
@@ -191,7 +196,9 @@ def cmd_flush(args: argparse.Namespace) -> int:
     for p in args.paths:
         ap = os.path.abspath(p)
         if not (ap + os.sep).startswith(mnt + os.sep):
-            raise MountError(f"{p} is not under the mount {mnt}")
+            raise MountError(f"{p} is not under the mount {mnt} (paths are taken from the current directory)")
+        if not os.path.lexists(ap):
+            raise MountError(f"{p}: no such file")
         rel.append(os.path.relpath(ap, mnt))
     t0 = time.monotonic()
     reply = _command(mnt, {"op": "flush", "paths": rel, "timeout": args.timeout})

@@ -92,6 +92,26 @@ def unmount(path: str, *, lazy: bool = False) -> bool:
     return r.returncode == 0
 
 
+def free_dead_ram_tier(mountpoint: str, ram_dir: str = "/dev/shm") -> bool:
+    """After a daemon died: remove its RAM tier's cached data (it holds memory), unless a live
+    daemon holds the tier or it has dirty files waiting for write-back (their journal is there;
+    the next mount writes them back). Returns True if memory was freed."""
+    path = os.path.join(ram_dir, "tierfs-" + mount_id(mountpoint))
+    if not os.path.isdir(path):
+        return False
+    try:
+        lock = _lock_tier_dir(path)
+    except MountError:
+        return False  # a live daemon uses it
+    try:
+        shutil.rmtree(os.path.join(path, "data"), ignore_errors=True)
+        if not os.path.exists(os.path.join(path, "journal.sqlite")):
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(lock)
+    return True
+
+
 def check_mountpoint(mountpoint: str) -> None:
     """Raises MountError unless ``mountpoint`` is an empty directory nothing is mounted on.
     A dead FUSE mount ("Transport endpoint is not connected") is cleaned up first."""
