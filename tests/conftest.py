@@ -127,6 +127,32 @@ def tiermount(tmp_path: Path) -> Iterator:
             raise errors[0]
 
 
+def join_all(procs: list, timeout: float) -> None:
+    """Join with one shared deadline; kill (and fail on) whatever is still running after it."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    stuck = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not stuck, f"processes {stuck} did not finish within {timeout}s (hung in the mount?)"
+
+
+def module_mount(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Mount]:
+    """A writable mount (64 MiB RAM, 256 MiB SSD tier) shared by a test module; always unmounted."""
+    base = tmp_path_factory.mktemp(name)
+    (base / "back").mkdir()
+    (base / "mnt").mkdir()
+    m = Mount(base / "back", base / "mnt", base / "ssd", ["--ram", "64MiB", "--ssd", f"{base / 'ssd'}:256MiB"])
+    try:
+        m.start()
+        yield m
+    finally:
+        force_unmount(m)
+
+
 def write_random(path: Path, size: int, seed: int = 0) -> bytes:
     """A file of ``size`` pseudo-random bytes (fast, reproducible)."""
     import random

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import drop_page_cache, is_mounted, needs_fuse, tierfs_cmd, write_random
+from tests.conftest import (
+    drop_page_cache,
+    is_mounted,
+    join_all,
+    needs_fuse,
+    tierfs_cmd,
+    write_random,
+)
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 KiB = 1 << 10
@@ -53,19 +60,6 @@ def _du(path: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
-
-
-def _join_all(procs: list, timeout: float) -> None:
-    """Join with one shared deadline; kill (and fail on) whatever is still running after it."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    stuck = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not stuck, f"processes {stuck} did not finish within {timeout}s (hung in the mount?)"
 
 
 # -- C01 -----------------------------------------------------------------------------------------
@@ -202,7 +196,7 @@ def test_c03_concurrent_page_faults_no_sigbus(tiermount, tmp_path: Path, ram: st
     procs = [CTX.Process(target=_c03_worker, args=(paths, want, i, q)) for i in range(8)]
     for p in procs:
         p.start()
-    _join_all(procs, 180)
+    join_all(procs, 180)
     codes = [p.exitcode for p in procs]
     assert all(c == 0 for c in codes), f"exit codes {codes} (-7 = SIGBUS)"
     results = dict(q.get(timeout=10) for _ in procs)
@@ -267,7 +261,7 @@ def test_c17_concurrent_first_open_of_images(tiermount, tmp_path: Path) -> None:
     procs = [CTX.Process(target=_c17_worker, args=(paths, sizes, digests, barrier, q)) for _ in range(8)]
     for p in procs:
         p.start()
-    _join_all(procs, 120)
+    join_all(procs, 120)
     assert [p.exitcode for p in procs] == [0] * 8
     errors = [e for _ in procs for e in q.get(timeout=10)]
     assert not errors, errors[:10]
@@ -399,7 +393,7 @@ def test_c25_many_readers_with_metadata_loops_make_progress(tiermount, tmp_path:
     finally:
         stop.set()
         meta_stop.set()
-        _join_all(procs, C25_STALL_S)
+        join_all(procs, C25_STALL_S)
         for t in meta:
             t.join(C25_STALL_S + 5)
     assert not any(t.is_alive() for t in meta), "a metadata loop is stuck"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, drop_page_cache, needs_fuse, tierfs_cmd
+from tests.conftest import Mount, drop_page_cache, join_all, needs_fuse, tierfs_cmd
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 KiB = 1 << 10
@@ -54,19 +54,6 @@ def py(code: str, *args: str, timeout: float = 60) -> str:
 
 def sh(cmd: str) -> str:
     return subprocess.run(["bash", "-c", cmd], check=True, capture_output=True, text=True).stdout
-
-
-def _join_all(procs: list, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    stuck = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    assert not stuck, f"processes {stuck} did not finish within {timeout}s (hung in the mount?)"
-    assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
 
 
 # -- C05 -----------------------------------------------------------------------------------------
@@ -464,7 +451,7 @@ def test_c10_o_append_existing_file(tiermount) -> None:
         procs = [CTX.Process(target=_c10_appender, args=(str(log), f"w{k}", barrier)) for k in range(4)]
         for p in procs:
             p.start()
-        _join_all(procs, 60)
+        join_all(procs, 60)
         data = log.read_bytes()
         assert len(data) == 6 + 4 * 1000 * 64
         assert data[:6] == b"a\nb\nc\n"

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, force_unmount, needs_fuse, tierfs_cmd
+from tests.conftest import Mount, module_mount, needs_fuse, tierfs_cmd
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 KiB = 1 << 10
@@ -133,15 +133,7 @@ def renameat2(old: Path, new: Path, flags: int) -> None:
 # -- the module's mount ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
-    base = tmp_path_factory.mktemp("posixw")
-    (base / "back").mkdir()
-    (base / "mnt").mkdir()
-    m = Mount(base / "back", base / "mnt", base / "ssd", ["--ram", "64MiB", "--ssd", f"{base / 'ssd'}:256MiB"])
-    try:
-        m.start()
-        yield m
-    finally:
-        force_unmount(m)
+    yield from module_mount(tmp_path_factory, "posixw")
 
 
 @pytest.fixture

@@ -29,7 +29,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, drop_page_cache, force_unmount, needs_fuse, tierfs_cmd
+from tests.conftest import (
+    Mount,
+    drop_page_cache,
+    module_mount,
+    needs_fuse,
+    tierfs_cmd,
+)
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 KiB = 1 << 10
@@ -39,15 +45,7 @@ MiB = 1 << 20
 # -- helpers -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
-    base = tmp_path_factory.mktemp("formatsw")
-    (base / "back").mkdir()
-    (base / "mnt").mkdir()
-    m = Mount(base / "back", base / "mnt", base / "ssd", ["--ram", "64MiB", "--ssd", f"{base / 'ssd'}:256MiB"])
-    try:
-        m.start()
-        yield m
-    finally:
-        force_unmount(m)
+    yield from module_mount(tmp_path_factory, "formatsw")
 
 
 @pytest.fixture

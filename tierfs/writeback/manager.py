@@ -194,13 +194,7 @@ def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
     try:
         os.ftruncate(tmp_fd, size)
         if src_fd != tmp_fd:
-            st = os.fstat(src_fd)
-            os.fchmod(tmp_fd, st.st_mode & 0o7777)
-            try:
-                os.fchown(tmp_fd, st.st_uid, st.st_gid)
-            except PermissionError:
-                pass
-            _copy_xattrs(src_fd, tmp_fd)
+            st = _finish_attrs_only(tmp_fd, src_fd)
             os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
         os.fsync(tmp_fd)
     finally:
@@ -888,7 +882,8 @@ class WriteBack:
         )
 
 
-def _finish_attrs_only(dst: int, src: int) -> None:
+def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
+    """Mode, owner and user xattrs of ``src`` onto ``dst``; returns ``src``'s stat."""
     st = os.fstat(src)
     os.fchmod(dst, st.st_mode & 0o7777)
     try:
@@ -896,3 +891,4 @@ def _finish_attrs_only(dst: int, src: int) -> None:
     except PermissionError:
         pass
     _copy_xattrs(src, dst)
+    return st
