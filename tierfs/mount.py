@@ -46,6 +46,7 @@ log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
 META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (see io.Device)
 DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
+DIRTY_THREAD_PERIOD_S = 2.0  # after which writes try inline again: throttling comes and goes
 
 
 @dataclass(frozen=True)
@@ -263,9 +264,11 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     names = [t.name for t in plan.tiers]
     wt_name = cfg.write_tier if cfg.write_tier != "auto" else ("ssd" if "ssd" in names else "ram")
     wt = names.index(wt_name)
+    dirty_data_dev = io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S,
+                               thread_period=DIRTY_THREAD_PERIOD_S)
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
-        data_device=io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S),
+        data_device=dirty_data_dev,
         scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
@@ -307,7 +310,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                               backing=plan.backing, mountpoint=plan.mountpoint,
                               chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
                               inodes=len(inodes),
-                              fuse_reads=(ops.reads, ops.read_bytes, ops.max_read))
+                              fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
+                              fuse_writes=(ops.writes, ops.write_bytes),
+                              devices=[*devices, backing_dev, meta, dirty_data_dev])
         return json.dumps(doc, indent=1).encode() + b"\n"
 
     def render_config() -> bytes:

@@ -18,7 +18,7 @@ from tierfs_hints.wire import STATS_VERSION
 def build(
     *, cache: Cache, scheduler: TransactionScheduler, writeback: WriteBack, started: float, backing: str,
     mountpoint: str, chunk_size: int, open_files: int, inodes: int,
-    fuse_reads: tuple[int, int, int] = (0, 0, 0),
+    fuse_reads: tuple[int, int, int] = (0, 0, 0), fuse_writes: tuple[int, int] = (0, 0), devices: list[Any] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     cs = cache.statistics()
     ss = scheduler.statistics()
@@ -45,8 +45,15 @@ def build(
             "read_request_bytes": fuse_reads[1],
             "mean_read_request_bytes": fuse_reads[1] / fuse_reads[0] if fuse_reads[0] else 0,
             "max_read_request_bytes": fuse_reads[2],
+            "write_requests": fuse_writes[0],
+            "write_request_bytes": fuse_writes[1],
+            "mean_write_request_bytes": fuse_writes[1] / fuse_writes[0] if fuse_writes[0] else 0,
         },
         "tiers": tiers,
+        # how each device's blocking calls ran: inline on the event loop while measured cheap,
+        # else in its worker threads (tierfs.io.Device)
+        "devices": {d.name: {"inline_calls": d.inline_calls, "thread_calls": d.thread_calls,
+                             "slow_inline_calls": d.slow_inline_calls} for d in devices},
         "staging": {
             "used_bytes": cs.staging_bytes,
             "capacity_bytes": cs.staging_capacity_bytes,
