@@ -7,6 +7,10 @@ Standard library only: DataLoader workers import this.
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 CONTROL_DIR = ".tierfs"
 STATS_FILE = "stats.json"  # read: the stats document (JSON, versioned)
 PID_FILE = "pid"  # read: the daemon's pid, decimal
@@ -14,7 +18,74 @@ CONFIG_FILE = "config.json"  # read: the effective configuration
 STATS_VERSION = 1
 CTL_FILE = "ctl"  # read-write: one JSON request line in, one JSON reply out (see below)
 
-# Requests to CTL_FILE, one JSON object per line: {"op": ..., ...}
-#   {"op": "flush", "paths": [relative paths] or [], "timeout": seconds}
-#     -> {"ok": true, "waited": [paths]} once they (or all dirty files) are on the backing store
-# Replies on failure: {"ok": false, "error": "message"}. Paths are relative to the mount root.
+# Requests to CTL_FILE: one JSON object per open, written as one line ending in "\n"; the
+# write returns when the daemon has answered; the reply (one JSON object) is read back from the
+# same descriptor. Paths are relative to the mount root ("a/b.tar"); absolute paths, "..",
+# and paths that resolve outside the mount are refused. Replies on failure:
+# {"ok": false, "error": "message", "kind": "value" | "os"}.
+#
+#   {"op": "flush", "paths": [...] or [], "timeout": s}
+#       -> {"ok": true, "waited": [paths]} once they (or all dirty files) are durable on the
+#          backing store.
+#   {"op": "need", "items": [[path, offset, length], ...], "deadline_s": s | null,
+#    "priority": int, "source": str, "label": str}
+#       Files (offset 0, length null = whole file) will be read in this order, and should be in
+#       a fast tier within deadline_s seconds (null: no deadline; prefetched in order after all
+#       deadline work). -> {"ok": true, "id": "n7", "bytes": B, "files": N, "missing": [paths]}
+#   {"op": "progress", "id": "n7"}
+#       -> {"ok": true, "id", "label", "total_bytes", "resident_bytes": {"ram": B, "ssd": B,
+#          "staging": B}, "remaining_bytes", "deadline_in_s" (null), "projected_s" (null),
+#          "done": bool, "missed": bool, "cancelled": bool}
+#   {"op": "wait", "id": "n7", "timeout": s}  -> the progress reply plus "timed_out": bool
+#   {"op": "cancel", "id": "n7"}               -> {"ok": true}
+#   {"op": "release", "paths": [...]}           -> {"ok": true, "chunks": N}
+#       not needed again soon: evicted first.
+#   {"op": "epoch", "paths": [...], "source": str}
+#       the access order of the coming epoch; replaces the previous epoch order of ``source``.
+#       -> like "need".
+#   {"op": "phase", "name": str, "at_s": s, "paths": [...], "source": str}
+#       a phase starting in at_s seconds needs these files: a need with that deadline.
+#   {"op": "checkpoint", "dir": path, "nbytes": B, "every_s": s}
+#       keep B bytes of write-tier room for checkpoints written into dir. -> {"ok": true,
+#       "reserved_bytes": B}
+#   {"op": "where", "paths": [...]}
+#       -> {"ok": true, "files": [{"path", "size", "resident_bytes": {"ram", "ssd", "staging"},
+#          "dirty_bytes"}]}
+#   {"op": "evict", "paths": [...]}             -> {"ok": true, "chunks": N, "bytes": B}
+HINT_OPS = ("need", "progress", "wait", "cancel", "release", "epoch", "phase", "checkpoint",
+            "where", "evict", "flush")
+
+
+class ControlError(Exception):
+    """The daemon refused a request; ``kind`` is "value" (bad input) or "os"."""
+
+    def __init__(self, message: str, kind: str = "value") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def control_path(mountpoint: str, name: str) -> str:
+    return os.path.join(mountpoint, CONTROL_DIR, name)
+
+
+def request(mountpoint: str, req: dict[str, Any]) -> dict[str, Any]:
+    """Send one request to the daemon of ``mountpoint`` and return its reply.
+
+    Raises OSError when the mount is not a live tierfs mount, ControlError when the daemon
+    refuses the request."""
+    fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDWR)
+    try:
+        payload = memoryview(json.dumps(req, separators=(",", ":")).encode() + b"\n")
+        while payload:
+            payload = payload[os.write(fd, payload):]
+        parts: list[bytes] = []
+        pos = 0
+        while chunk := os.pread(fd, 1 << 20, pos):
+            parts.append(chunk)
+            pos += len(chunk)
+    finally:
+        os.close(fd)
+    reply = json.loads(b"".join(parts))
+    if not reply.get("ok"):
+        raise ControlError(str(reply.get("error", "request refused")), str(reply.get("kind", "value")))
+    return reply  # type: ignore[no-any-return]
