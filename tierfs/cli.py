@@ -152,7 +152,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
             return 0
         raise
     if args.flush:
-        reply = _command(mnt, {"op": "flush", "paths": []})
+        reply = _flush(mnt, [], 1e9)
         if not reply.get("ok"):
             raise MountError(f"flush failed: {reply.get('error')}")
         print(f"tierfs: {len(reply['waited'])} files written back")
@@ -190,6 +190,17 @@ def _command(mountpoint: str, request: dict[str, Any]) -> dict[str, Any]:
     return json.loads(reply)
 
 
+def _flush(mnt: str, rel: list[str], timeout: float) -> dict[str, Any]:
+    """The daemon answers a flush within ~10 s (timed_out when not done yet): loop until done
+    or ``timeout`` seconds. Ctrl-C works between the requests."""
+    end = time.monotonic() + timeout
+    while True:
+        left = max(0.0, end - time.monotonic())
+        reply = _command(mnt, {"op": "flush", "paths": rel, "timeout": left})
+        if not reply.get("timed_out") or left <= 0:
+            return reply
+
+
 def cmd_flush(args: argparse.Namespace) -> int:
     mnt = os.path.abspath(args.mountpoint)
     rel = []
@@ -201,7 +212,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
             raise MountError(f"{p}: no such file")
         rel.append(os.path.relpath(ap, mnt))
     t0 = time.monotonic()
-    reply = _command(mnt, {"op": "flush", "paths": rel, "timeout": args.timeout})
+    reply = _flush(mnt, rel, args.timeout)
     if not reply.get("ok"):
         print(f"tierfs: flush: {reply.get('error')}", file=sys.stderr)
         return 1
@@ -277,6 +288,27 @@ def _table(doc: dict[str, Any]) -> None:
         ]:
             w.add_row(k, v)
         console.print(w)
+    hp = doc.get("hints")
+    if hp is not None:
+        h = Table(title="hint plan (tierfs_hints, tierfs warmup)")
+        h.add_column("metric")
+        h.add_column("value", justify="right")
+        for k, v in [
+            ("needs (finished)", f"{hp['needs']} ({hp['needs_finished']})"),
+            ("bytes declared / resident / still to fetch",
+             f"{format_size(hp['declared_bytes'])} / {format_size(hp['resident_bytes'])} / {format_size(hp['to_fetch_bytes'])}"),
+            ("prefetched for hints", format_size(hp["prefetched_bytes"])),
+            ("deadline misses (bytes)", f"{hp['deadline_misses']} ({format_size(hp['missed_bytes'])})"),
+            ("projected to miss", str(hp["at_risk"])),
+            ("released chunks", str(hp["released_chunks"])),
+            ("write-tier room kept for checkpoints", format_size(hp["write_tier_kept_free_bytes"])),
+        ]:
+            h.add_row(k, v)
+        for pd in hp["pending_deadlines"]:
+            h.add_row(f"  {pd['id']} {pd['label']}: due in {pd['deadline_in_s']:.1f} s",
+                      f"slack {pd['slack_s']:.1f} s, {format_size(pd['remaining_bytes'])} left"
+                      + (" MISSED" if pd["missed"] else ""))
+        console.print(h)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -293,6 +325,140 @@ def cmd_stats(args: argparse.Namespace) -> int:
             return 0
         sys.stdout.flush()
         time.sleep(args.watch)
+
+
+def _mount_of(paths: list[str]) -> tuple[str, list[str]]:
+    """The tierfs mount holding every path, and the paths relative to it. Raises MountError."""
+    if not paths:
+        raise MountError("name at least one path")
+    mnt = None
+    rel = []
+    for p in paths:
+        ap = os.path.abspath(p)
+        d = ap if os.path.isdir(ap) else os.path.dirname(ap)
+        while not (os.path.ismount(d) and os.path.exists(os.path.join(d, wire.CONTROL_DIR, wire.CTL_FILE))):
+            if d == "/":
+                raise MountError(f"{p} is not on a tierfs mount")
+            d = os.path.dirname(d)
+        if mnt is not None and d != mnt:
+            raise MountError(f"{p} is on another mount ({d}) than {paths[0]} ({mnt})")
+        mnt = d
+        rel.append(os.path.relpath(ap, d))
+    assert mnt is not None
+    return mnt, rel
+
+
+def _expand(paths: list[str], recursive: bool = True) -> list[str]:
+    """Directories become the regular files under them (sorted: the order shards are read in)."""
+    out = []
+    for p in paths:
+        if recursive and os.path.isdir(p):
+            for dirpath, dirs, files in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if d != wire.CONTROL_DIR)
+                out.extend(os.path.join(dirpath, f) for f in sorted(files))
+        else:
+            out.append(p)
+    return out
+
+
+def _hint_request(mnt: str, req: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return wire.request(mnt, req)
+    except wire.ControlError as e:
+        raise MountError(str(e)) from None
+    except OSError as e:
+        raise MountError(f"{mnt} is not a live tierfs mount ({e.strerror})") from None
+
+
+def cmd_where(args: argparse.Namespace) -> int:
+    mnt, rel = _mount_of(_expand(args.paths))
+    reply = _hint_request(mnt, {"op": "where", "paths": rel})
+    if args.json:
+        print(json.dumps(reply["files"], indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"residency on {mnt}")
+    tier_names = [k for k in next((f["resident_bytes"] for f in reply["files"] if "resident_bytes" in f), {})]
+    for col in ("path", "size", *tier_names, "resident %", "dirty"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    total = resident = 0
+    for f in reply["files"]:
+        if f.get("missing"):
+            t.add_row(f["path"], "(not a file on the backing store)", *[""] * (len(tier_names) + 2))
+            continue
+        r = sum(f["resident_bytes"].values())
+        total += f["size"]
+        resident += min(r, f["size"])
+        t.add_row(f["path"], format_size(f["size"]), *[format_size(f["resident_bytes"][n]) for n in tier_names],
+                  f"{100 * min(r, f['size']) / f['size']:.0f}" if f["size"] else "-",
+                  format_size(f["dirty_bytes"]) if f["dirty_bytes"] else "")
+    Console(width=max(100, shutil.get_terminal_size((120, 40)).columns)).print(t)
+    print(f"{len(reply['files'])} files, {format_size(resident)} of {format_size(total)} resident"
+          + (f" ({100 * resident / total:.0f}%)" if total else ""))
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    mnt, rel = _mount_of(_expand(args.paths))
+    req: dict[str, Any] = {"op": "need", "items": [[r, 0, None] for r in rel], "source": "tierfs warmup",
+                           "label": "warmup"}
+    if args.by is not None:
+        req["deadline_s"] = args.by
+    reply = _hint_request(mnt, req)
+    print(f"tierfs: warming {reply['files']} files, {format_size(reply['bytes'])} (hint {reply['id']})")
+    for m in reply["missing"]:
+        print(f"  not a file on the backing store: {m}", file=sys.stderr)
+    if args.no_wait:
+        return 0
+    t0 = time.monotonic()
+    while True:  # short waits: Ctrl-C works between them
+        left = args.timeout - (time.monotonic() - t0)
+        w = _hint_request(mnt, {"op": "wait", "id": reply["id"], "timeout": max(0.0, min(5.0, left))})
+        if w["done"] or w.get("stalled") or w["cancelled"] or left <= 5.0:
+            break
+    tiers = ", ".join(f"{k} {format_size(v)}" for k, v in w["resident_bytes"].items() if v)
+    print(f"tierfs: {'done' if w['done'] else 'NOT done'} after {time.monotonic() - t0:.1f}s: {tiers or 'nothing'} "
+          f"resident; {format_size(w['remaining_bytes'])} left" + ("; deadline MISSED" if w["missed"] else "")
+          + ("; the tiers hold no more of it (full of data needed sooner, or too small)" if w.get("stalled") else ""))
+    return 0 if w["done"] else 1
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    mnt, rel = _mount_of(_expand(args.paths))
+    reply = _hint_request(mnt, {"op": "evict", "paths": rel})
+    print(f"tierfs: evicted {reply['chunks']} chunks, {format_size(reply['bytes'])}")
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from tierfs import sim
+
+    unknown = [t for t in args.trace or [] if t not in sim.TRACES]
+    if unknown:
+        raise ConfigError(f"unknown trace {unknown[0]!r}; known: {', '.join(sim.TRACES)}")
+    results = sim.run(args.trace)
+    missed = sim.check_targets(results)
+    if args.json:
+        print(json.dumps({"traces": results, "targets_missed": missed}, indent=1))
+        return 0 if not missed else 1
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(100, shutil.get_terminal_size((120, 40)).columns))
+    for name, per in results.items():
+        t = Table(title=f"{name}: {sim.TRACES[name]().description}")
+        for col in ("policy", "hit ratio", "vs Belady", "backing MB", "deadline misses", "data wait s"):
+            t.add_column(col, justify="left" if col == "policy" else "right")
+        best = per.get("belady", {}).get("hit_ratio") or 0.0
+        for pol, m in per.items():
+            t.add_row(pol, f"{m['hit_ratio']:.3f}", f"{m['hit_ratio'] / best:.2f}" if best else "-",
+                      f"{m['backing_bytes'] / 1e6:.1f}", str(m["deadline_misses"]),
+                      "-" if pol == "belady" else f"{m['data_wait_s']:.2f}")
+        console.print(t)
+    print("targets: " + ("all met" if not missed else "; ".join(missed)))
+    return 0 if not missed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,6 +497,23 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("paths", nargs="*", help="files (default: every dirty file)")
     f.add_argument("--timeout", type=float, default=1e9, help="seconds to wait at most")
     f.set_defaults(func=cmd_flush)
+    w = sub.add_parser("where", help="per-tier residency of files (like vmtouch)")
+    w.add_argument("paths", nargs="+", help="files or directories on a tierfs mount")
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=cmd_where)
+    wu = sub.add_parser("warmup", help="fetch files into the tiers (a need hint from the shell)")
+    wu.add_argument("paths", nargs="+", help="files or directories, fetched in this order")
+    wu.add_argument("--by", type=float, help="deadline, seconds from now (default: none)")
+    wu.add_argument("--no-wait", action="store_true", help="return once the hint is registered")
+    wu.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait at most")
+    wu.set_defaults(func=cmd_warmup)
+    ev = sub.add_parser("evict", help="drop files from every tier now (a release hint, enforced)")
+    ev.add_argument("paths", nargs="+")
+    ev.set_defaults(func=cmd_evict)
+    sm = sub.add_parser("sim", help="replay access traces through the real cache code; compare policies")
+    sm.add_argument("--trace", action="append", help="trace to run (repeatable; default: all)")
+    sm.add_argument("--json", action="store_true", help="per trace and policy: hit_ratio, backing_bytes, ...")
+    sm.set_defaults(func=cmd_sim)
     return p
 
 

@@ -60,3 +60,10 @@ class BackingChanged(TierfsError):
     against the new identity at its next open."""
 
     errno = _errno.ESTALE
+
+
+class HintError(TierfsError, ValueError):
+    """A hint request the daemon refuses (bad field, path outside the mount); answered on the
+    control file as ``{"ok": false, "kind": "value"}``, never a FUSE error."""
+
+    errno = 22

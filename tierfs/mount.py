@@ -27,6 +27,7 @@ from tierfs import io
 from tierfs import stats as stats_mod
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
+from tierfs.cache.plan import HintPlan
 from tierfs.cache.policy import Policy
 from tierfs.cache.tier import Tier
 from tierfs.config import Config, default_ram_size, default_ssd_size
@@ -34,6 +35,7 @@ from tierfs.errors import MountError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.inodes import InodeTable
 from tierfs.fs.operations import Operations
+from tierfs.predict.hints import MAX_WAIT_S, HintService
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
@@ -254,7 +256,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                      slice_size=cfg.slice_size, depth=cfg.depth,
                                      run_io=run_backing_io)
     total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
-    policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks))
+    policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks), plan=HintPlan())
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
                   staging_bytes=cfg.staging, ssd_catalog=ssd_catalog)
     restored = await trio.to_thread.run_sync(cache.load_persistent)
@@ -275,13 +277,23 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         # fsync waits for the backing store
         fsync_backing=cfg.fsync == "backing" or wt_name == "ram")
 
+    def dirty_bytes(rel: bytes) -> int:
+        df = writeback.get(rel)
+        return df.size if df is not None and df.state.value != "clean" else 0
+
+    hints = HintService(cache=cache, scheduler=scheduler, backing_root=os.fsencode(plan.backing), meta=meta,
+                        chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
+                        dirty_bytes=dirty_bytes)
+
     async def ctl(request: bytes) -> bytes:
         try:
             req = json.loads(request)
             if not isinstance(req, dict):
                 raise ValueError("a request is a JSON object")
             op = req.get("op")
-            if op == "flush":
+            if op in wire.HINT_OPS and op != "flush":
+                reply = await hints.handle(req)
+            elif op == "flush":
                 paths = req.get("paths") or []
                 timeout = float(req.get("timeout", 1e9))
                 files = None
@@ -292,13 +304,20 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                         df = writeback.get(rel)
                         if df is not None:
                             files.append(df)
-                waited = await writeback.wait_durable(files, timeout)
-                reply = {"ok": True, "waited": waited}
+                try:  # short waits (see tierfs.predict.hints.MAX_WAIT_S); clients loop
+                    waited = await writeback.wait_durable(files, min(timeout, MAX_WAIT_S))
+                    reply = {"ok": True, "waited": waited}
+                except TimeoutError:
+                    if timeout <= MAX_WAIT_S:
+                        raise
+                    reply = {"ok": True, "waited": [], "timed_out": True}
             else:
-                raise ValueError(f"unknown op {op!r}; known: flush")
-        except (ValueError, TypeError) as e:
-            log.warning("control request refused: %s", e)
-            reply = {"ok": False, "error": f"bad request: {e}"}
+                raise ValueError(f"unknown op {op!r}; known: {', '.join(wire.HINT_OPS)}")
+        except (ValueError, TypeError) as e:  # HintError is a ValueError
+            log.info("control request refused: %s", e)
+            reply = {"ok": False, "error": f"bad request: {e}", "kind": "value"}
+        except OSError as e:
+            reply = {"ok": False, "error": str(e), "kind": "os"}
         except TimeoutError:
             reply = {"ok": False, "error": "timed out"}
         except Exception as e:  # noqa: BLE001 - a control request never harms the daemon
@@ -313,6 +332,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                               fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                               fuse_writes=(ops.writes, ops.write_bytes),
                               devices=[*devices, backing_dev, meta, dirty_data_dev])
+        doc["hints"] = hints.statistics()
         return json.dumps(doc, indent=1).encode() + b"\n"
 
     def render_config() -> bytes:
@@ -343,6 +363,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             if recovered:
                 log.warning("recovery after a crash: %d dirty files will be written back", recovered)
             await nursery.start(writeback.run)
+            await nursery.start(hints.run)
 
             async def fuse_main() -> None:
                 await pyfuse3.main()
@@ -374,6 +395,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             log.warning("closing the FUSE session: %s", e)
         pending = writeback.statistics().dirty_files
         writeback.close()
+        hints.close()
         cache.close()
         for fd in lock_fds:
             os.close(fd)

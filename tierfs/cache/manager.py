@@ -104,6 +104,7 @@ class Cache:
         self.tiers = tiers
         self.devices = devices
         self.policy = policy
+        self.plan = policy.plan
         self.residency: list[Residency] = [policy.new_residency() for _ in tiers]
         self.scheduler = scheduler
         scheduler.on_fetched = self._on_fetched
@@ -156,6 +157,8 @@ class Cache:
     ) -> bytes:
         cid = (f.key, idx)
         prior = self.policy.freq.record(cid) if first_touch else self.policy.freq.get(cid) - 1
+        if first_touch and self.plan is not None:
+            self.plan.consume(cid)
         while True:
             entry = self.catalog.get(cid)
             if entry is not None:
@@ -236,7 +239,7 @@ class Cache:
             self.ssd_catalog.record_freq(cid, self.policy.freq.get(cid))
         if entry.tier > 0 and cid not in self._moving:
             victim = next(self.residency[0].victims(self._unmovable), None)
-            room = self.tiers[0].room() >= blocks(entry.length)
+            room = self.tiers[0].cache_room() >= blocks(entry.length)
             if self.policy.promotes(cid, None if room else victim):
                 self._spawn(self._promote, cid)
 
@@ -287,10 +290,14 @@ class Cache:
         cid = req.cid
         if cid in self.staging or cid in self.catalog.entries or req.file.stale:
             return
-        staged = Staged(data, speculative=req.klass is Klass.SPECULATIVE and req.waiters == 0)
+        staged = Staged(data, speculative=req.klass is not Klass.DEMAND and req.waiters == 0)
         self.staging[cid] = staged
         self.staging_used += len(data)
-        if staged.speculative and any(t.room() >= blocks(len(data)) for t in self.tiers):
+        if self.plan is not None and self.plan.next_use(cid) is not None:
+            # Hinted prefetch goes to a tier at once, admitted by its place in the plan.
+            staged.placing = True
+            self._spawn(self._place_staged, cid, staged, self.policy.freq.get(cid))
+        elif staged.speculative and any(t.cache_room() >= blocks(len(data)) for t in self.tiers):
             # Readahead lands in a tier that has room at once (prior -1: it evicts nothing),
             # so staging stays free for readahead no tier has room for.
             staged.placing = True
@@ -318,6 +325,53 @@ class Cache:
         staged = self.staging.pop(cid, None)
         if staged is not None:
             self.staging_used -= len(staged.data)
+
+    # -- hints -------------------------------------------------------------------------------
+    def is_resident(self, cid: ChunkId) -> bool:
+        """In a tier or in staging (a read would not wait for the backing store)."""
+        return cid in self.catalog.entries or cid in self.staging
+
+    def is_present(self, cid: ChunkId) -> bool:
+        """Resident, or queued / in flight at the scheduler."""
+        return self.is_resident(cid) or self.scheduler.lookup(cid) is not None
+
+    def can_admit(self, cid: ChunkId, length: int) -> bool:
+        """Would a tier take ``cid`` now (room, or a victim the policy lets it replace)?
+        What the prefetcher asks before fetching a planned chunk."""
+        need = blocks(length)
+        for t, tier in enumerate(self.tiers):
+            if tier.cache_room() >= need:
+                return True
+            victim = next(self.residency[t].victims(self._unmovable), None)
+            if victim is not None and self.policy.admits(self.policy.freq.get(cid), victim, cid):
+                return True
+        return False
+
+    async def evict_chunks(self, cids: list[ChunkId]) -> tuple[int, int]:
+        """Drop these chunks from every tier and staging now (``tierfs evict``); pinned or
+        moving chunks are skipped. Returns (chunks, bytes) dropped."""
+        n = nbytes = 0
+        for cid in cids:
+            staged = self.staging.get(cid)
+            if staged is not None and not staged.placing:
+                self._unstage(cid)
+                n += 1
+                nbytes += len(staged.data)
+            entry = self.catalog.get(cid)
+            if entry is not None and entry.pins == 0 and cid not in self._moving:
+                await self._drop_chunk(cid)
+                self.tiers[entry.tier].evictions += 1
+                n += 1
+                nbytes += entry.length
+        return n, nbytes
+
+    async def keep_free(self, t: int, nbytes: int) -> None:
+        """Keep ``nbytes`` of tier ``t`` free for writes (checkpoint hints): cached chunks are
+        not placed into that room and are evicted from it now."""
+        tier = self.tiers[t]
+        tier.keep_free = max(0, min(nbytes, tier.capacity))
+        if tier.room() < tier.keep_free:
+            await self.evict_for(t, tier.keep_free)
 
     # -- placement, eviction, promotion ----------------------------------------------------
     def _unmovable(self, cid: ChunkId) -> bool:
@@ -354,9 +408,9 @@ class Cache:
         length = len(data)
         for t in tier_range:
             tier = self.tiers[t]
-            if tier.room() < blocks(length) and not await self._make_room(t, blocks(length), prior):
+            if tier.cache_room() < blocks(length) and not await self._make_room(t, blocks(length), prior, cid):
                 continue
-            if not tier.reserve(length):
+            if not tier.reserve(length, keep_free=tier.keep_free):
                 tier.full_events += 1
                 continue
             checksum = xxhash.xxh3_64_intdigest(data) if t == self.persistent_tier else 0
@@ -392,16 +446,16 @@ class Cache:
         else:
             log.warning("%s", e)
 
-    async def _make_room(self, t: int, need: int, prior: int) -> bool:
+    async def _make_room(self, t: int, need: int, prior: int, newcomer: ChunkId | None = None) -> bool:
         """Evict victims of tier ``t`` (demoting them) until ``need`` bytes are free, if the
-        policy lets a newcomer with ``prior`` accesses replace every one of them."""
+        policy lets ``newcomer`` with ``prior`` accesses replace every one of them."""
         tier = self.tiers[t]
         victims: list[ChunkId] = []
-        freed = tier.room()
+        freed = tier.cache_room()
         for victim in self.residency[t].victims(self._unmovable):
             if freed >= need:
                 break
-            if not self.policy.admits(prior, victim):
+            if not self.policy.admits(prior, victim, newcomer):
                 return False
             victims.append(victim)
             freed += blocks(self.catalog.entries[victim].length)
@@ -409,7 +463,7 @@ class Cache:
             return False
         for victim in victims:
             await self._evict(t, victim)
-        return tier.room() >= need
+        return tier.cache_room() >= need
 
     async def evict_for(self, t: int, need: int) -> None:
         """Evict clean chunks of tier ``t`` (demoting them where a slower tier admits them)
@@ -506,6 +560,8 @@ class Cache:
         t = entry.tier
         tier = self.tiers[t]
         self.residency[t].remove(cid)
+        if self.plan is not None:
+            self.plan.forget_chunk(cid)
         tier.release(entry.length)
         if tier.inline:
             tier.punch(cid[0], cid[1] * self.chunk_size, entry.length)

@@ -17,6 +17,11 @@ popularity fades.
 
 Promotion from a slower tier needs a clear margin (two accesses more than the faster tier's
 victim), so epoch reads do not swap chunks between RAM and SSD for no gain.
+
+With hints (:mod:`tierfs.cache.plan`), the plan decides first: released chunks are evicted
+before anything, planned chunks are evicted furthest-next-use first (Belady's MIN), and a
+newcomer replaces a victim only if it is needed sooner; chunks no hint mentions fall back to
+the rules above and never displace a planned chunk.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+from tierfs.cache.plan import HintPlan
+
 ChunkId = tuple[str, int]  # (file identity key, chunk index)
 
-POLICIES = ("nothrash", "lru")
+POLICIES = ("nothrash", "lru", "minio")
 
 
 class FrequencyTable:
@@ -74,9 +81,10 @@ class Residency:
     used first among equal counts. O(1) add/remove/touch; victim search visits buckets in
     ascending count order (few distinct counts)."""
 
-    def __init__(self, freq: FrequencyTable, *, use_counts: bool) -> None:
+    def __init__(self, freq: FrequencyTable, *, use_counts: bool, plan: HintPlan | None = None) -> None:
         self._freq = freq
         self._use_counts = use_counts
+        self._plan = plan
         self._buckets: dict[int, OrderedDict[ChunkId, None]] = {}
         self._bucket_of: dict[ChunkId, int] = {}
         freq.on_age.append(self.rebucket)
@@ -110,11 +118,35 @@ class Residency:
             self.add(cid)
 
     def victims(self, skip: Callable[[ChunkId], bool]) -> Iterator[ChunkId]:
-        """Residents in eviction order, without those ``skip`` rejects (pinned chunks)."""
+        """Residents in eviction order, without those ``skip`` rejects (pinned chunks).
+
+        With an active hint plan: released chunks, then unplanned ones in count/LRU order, then
+        planned ones from the furthest next use down (O(residents) once the unplanned ones are
+        exhausted)."""
+        plan = self._plan
+        if plan is None or not plan.active:
+            for b in sorted(self._buckets):
+                for cid in list(self._buckets.get(b, ())):
+                    if not skip(cid):
+                        yield cid
+            return
+        for cid in list(plan.released):
+            if cid in self._bucket_of and not skip(cid):
+                yield cid
+        planned = []
         for b in sorted(self._buckets):
             for cid in list(self._buckets.get(b, ())):
-                if not skip(cid):
+                if cid in plan.released:
+                    continue
+                rank = plan.next_use(cid)
+                if rank is not None:
+                    planned.append((rank, cid))
+                elif not skip(cid):
                     yield cid
+        planned.sort(reverse=True)
+        for _, cid in planned:
+            if cid in self._bucket_of and not skip(cid):
+                yield cid
 
     def rebucket(self) -> None:
         members = list(self._bucket_of)
@@ -129,23 +161,47 @@ class Policy:
 
     * ``nothrash``: see the module docstring.
     * ``lru``: admit always, evict least recently used (the baseline users know).
+    * ``minio``: CoorDL's MinIO: once full, never replace (for comparison in ``tierfs sim``).
+
+    ``plan``: the hint plan, consulted before these rules (see the module docstring).
     """
 
     PROMOTE_MARGIN = 2
 
-    def __init__(self, name: str, window: int) -> None:
+    def __init__(self, name: str, window: int, plan: HintPlan | None = None) -> None:
         if name not in POLICIES:
             raise ValueError(f"eviction policy must be one of {POLICIES}, got {name!r}")
         self.name = name
         self.freq = FrequencyTable(window)
+        self.plan = plan
 
     def new_residency(self) -> Residency:
-        return Residency(self.freq, use_counts=self.name == "nothrash")
+        return Residency(self.freq, use_counts=self.name == "nothrash", plan=self.plan)
 
-    def admits(self, prior: int, victim: ChunkId) -> bool:
-        """May a newcomer accessed ``prior`` times before now replace ``victim``? A negative
-        ``prior`` (unread readahead) never replaces anything."""
-        if prior < 0:
+    def _plan_says(self, newcomer: ChunkId | None, victim: ChunkId) -> bool | None:
+        """The plan's verdict on ``newcomer`` replacing ``victim``; None: the plan has none."""
+        plan = self.plan
+        if plan is None or not plan.active:
+            return None
+        if plan.is_released(victim):
+            return True
+        if newcomer is not None and plan.is_released(newcomer):
+            return False
+        victim_next = plan.next_use(victim)
+        new_next = plan.next_use(newcomer) if newcomer is not None else None
+        if new_next is not None:
+            return victim_next is None or new_next < victim_next
+        if victim_next is not None:
+            return False  # a chunk no hint mentions never displaces a planned one
+        return None
+
+    def admits(self, prior: int, victim: ChunkId, newcomer: ChunkId | None = None) -> bool:
+        """May ``newcomer``, accessed ``prior`` times before now, replace ``victim``? A negative
+        ``prior`` (unread readahead) never replaces anything the plan does not rank lower."""
+        verdict = self._plan_says(newcomer, victim)
+        if verdict is not None:
+            return verdict
+        if prior < 0 or self.name == "minio":
             return False
         if self.name == "lru":
             return True
@@ -155,6 +211,11 @@ class Policy:
         """Should a hit on ``cid`` in a slower tier move it up over ``victim`` (None: room)?"""
         if victim is None:
             return True
+        verdict = self._plan_says(cid, victim)
+        if verdict is not None:
+            return verdict
         if self.name == "lru":
             return True
+        if self.name == "minio":
+            return False
         return self.freq.get(cid) >= self.freq.get(victim) + self.PROMOTE_MARGIN

@@ -65,6 +65,7 @@ class Tier:
         self.inline = inline
         self.used = 0
         self.dirty = 0  # bytes of dirty files (write tier), not evictable
+        self.keep_free = 0  # bytes cached chunks leave free for writes (checkpoint hints)
         self.chunks = 0
         self.hits = 0
         self.misses = 0
@@ -81,12 +82,18 @@ class Tier:
 
     # -- accounting -------------------------------------------------------------------------
     def room(self) -> int:
+        """Free bytes (for writes: dirty data may use the room kept free)."""
         return self.effective_capacity - self.used - self.dirty
 
-    def reserve(self, length: int) -> bool:
-        """Account ``length`` bytes if they fit; False otherwise (never over capacity)."""
+    def cache_room(self) -> int:
+        """Free bytes cached chunks may use: :meth:`room` less ``keep_free``."""
+        return self.room() - self.keep_free
+
+    def reserve(self, length: int, keep_free: int = 0) -> bool:
+        """Account ``length`` bytes if they fit with ``keep_free`` bytes left; False otherwise
+        (never over capacity)."""
         need = blocks(length)
-        if self.used + self.dirty + need > self.effective_capacity:
+        if self.used + self.dirty + need + keep_free > self.effective_capacity:
             return False
         self.used += need
         self.chunks += 1

@@ -6,6 +6,8 @@ import itertools
 import os
 from dataclasses import dataclass, field
 
+import trio
+
 from tierfs.cache.manager import AccessState
 from tierfs.predict.readahead import ReadaheadState
 from tierfs.sched.backing import BackingFile
@@ -34,6 +36,7 @@ class ControlHandle:
     data: bytes
     name: bytes = b""
     request: bytearray = field(default_factory=bytearray)
+    answered: trio.Event | None = None  # set when the reply to the last request is in ``data``
 
 
 @dataclass(eq=False)

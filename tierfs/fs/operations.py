@@ -716,6 +716,8 @@ class Operations(pyfuse3.Operations):
         with fuse_errors("read"):
             h = self.handles.get(fh)
             if isinstance(h, ControlHandle):
+                if h.answered is not None:
+                    await h.answered.wait()
                 return h.data[off : off + size]
             assert isinstance(h, FileHandle)
             self.reads += 1
@@ -791,8 +793,23 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         h.request += buf
         if h.request.endswith(b"\n"):
-            h.data = await cf.command(bytes(h.request))
+            # The write returns at once and the reply is read back when ready: the kernel holds
+            # the file's inode lock during a FUSE write, so a command answered inside the write
+            # (a 10 s "wait") would hold up every other client's request behind it.
+            request = bytes(h.request)
             h.request.clear()
+            answered = h.answered = trio.Event()
+
+            async def answer() -> None:
+                try:
+                    h.data = await cf.command(request)  # type: ignore[misc]
+                finally:
+                    answered.set()
+
+            if self.nursery is None:
+                await answer()
+            else:
+                self.nursery.start_soon(answer)
         return len(buf)
 
     # -- write-back callbacks ----------------------------------------------------------------
