@@ -350,7 +350,7 @@ def _mount_of(paths: list[str]) -> tuple[str, list[str]]:
 
 def _expand(paths: list[str], recursive: bool = True) -> list[str]:
     """Directories become the regular files under them (sorted: the order shards are read in)."""
-    out = []
+    out: list[str] = []
     for p in paths:
         if recursive and os.path.isdir(p):
             for dirpath, dirs, files in os.walk(p):

@@ -173,7 +173,7 @@ TRACES: dict[str, Callable[[], Trace]] = {
 def access_sequence(trace: Trace) -> list[tuple[tuple[str, int], str | None]]:
     """The trace's chunk reads in the order they happen when no read waits (jobs interleave by
     their compute time); ties go to the lower job index."""
-    events = []
+    events: list[tuple[float, int, int, tuple[str, int], str | None]] = []
     for j, job in enumerate(trace.jobs):
         t = 0.0
         for step in job.steps:
@@ -231,7 +231,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     tiers = [Tier("ram", os.path.join(root, f"{policy}-ram"), trace.ram_chunks * CHUNK, inline=True)]
     if trace.ssd_chunks:
         tiers.append(Tier("ssd", os.path.join(root, f"{policy}-ssd"), trace.ssd_chunks * CHUNK, inline=True))
-    head = {"pos": None}
+    head: dict[str, tuple[str, int] | None] = {"pos": None}
     reads = {"n": 0, "bytes": 0}
 
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
@@ -309,7 +309,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     for f in files.values():
         f.release()
     cache.close()
-    out = {"hit_ratio": hits / total if total else 0.0, "backing_bytes": reads["bytes"],
+    out: dict[str, Any] = {"hit_ratio": hits / total if total else 0.0, "backing_bytes": reads["bytes"],
            "deadline_misses": dmiss, "reads": total, "sim_seconds": trio.current_time(),
            "data_wait_s": waited}
     if problems:

@@ -69,10 +69,21 @@ class Need:
     def __post_init__(self) -> None:
         if not self.consumed:
             self.consumed = bytearray(len(self.chunks))
+        seen: set[ChunkId] = set()
+        total = 0
+        for cid, size in zip(self.chunks, self.sizes, strict=True):
+            if cid not in seen:
+                seen.add(cid)
+                total += size
+        self.total_bytes = total  # each chunk once, however often the need reads it
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
+    def unique(self) -> Iterator[int]:
+        """Indexes of each chunk's first occurrence."""
+        seen: set[ChunkId] = set()
+        for i, cid in enumerate(self.chunks):
+            if cid not in seen:
+                seen.add(cid)
+                yield i
 
     def rank(self, i: int) -> Rank:
         return (self.deadline, -self.priority, self.seq, i)
@@ -236,10 +247,13 @@ class HintPlan:
         return True
 
     def remaining(self, need: Need, resident: Callable[[ChunkId], bool]) -> int:
-        """Bytes of ``need`` neither consumed nor resident."""
+        """Bytes of ``need`` neither consumed nor resident (each chunk once)."""
         left = 0
+        counted: set[ChunkId] = set()
         for i in range(need.cursor, len(need.chunks)):
-            if not need.consumed[i] and not resident(need.chunks[i]):
+            cid = need.chunks[i]
+            if not need.consumed[i] and cid not in counted and not resident(cid):
+                counted.add(cid)
                 left += need.sizes[i]
         return left
 
@@ -269,8 +283,8 @@ class HintPlan:
     def statistics(self) -> PlanStats:
         declared = consumed = 0
         for need in self.needs.values():
+            declared += need.total_bytes
             for i, size in enumerate(need.sizes):
-                declared += size
                 if need.consumed[i]:
                     consumed += size
         return PlanStats(

@@ -148,20 +148,23 @@ class HintService:
         self._kick.set()
         log.debug("hint %s (%s): %d files, %d bytes, deadline in %.1f s", need.id, label, len(files),
                   need.total_bytes, deadline_in)
-        return {"id": need.id, "bytes": need.total_bytes, "files": len(files), "missing": missing[:100],
+        return {"id": need.id, "bytes": need.total_bytes, "files": len({f.key for f in files}), "missing": missing,
                 "missing_count": len(missing)}
 
     def _progress_doc(self, need: Need) -> dict[str, Any]:
         per_tier = {t.name: 0 for t in self.cache.tiers}
         per_tier["staging"] = 0
         remaining = 0
-        for i, cid in enumerate(need.chunks):
+        read = {need.chunks[j] for j in range(need.cursor)} | {
+            need.chunks[j] for j in range(need.cursor, len(need.chunks)) if need.consumed[j]}
+        for i in need.unique():
+            cid = need.chunks[i]
             entry = self.cache.catalog.entries.get(cid)
             if entry is not None:
                 per_tier[self.cache.tiers[entry.tier].name] += need.sizes[i]
             elif cid in self.cache.staging:
                 per_tier["staging"] += need.sizes[i]
-            elif not need.consumed[i]:
+            elif cid not in read:  # a chunk counts as done once it was read
                 remaining += need.sizes[i]
         now = trio.current_time()
         return {
@@ -224,7 +227,9 @@ class HintService:
         nbytes = _int(req.get("nbytes"), "nbytes")
         if nbytes < 0:
             raise HintError("checkpoint: nbytes must be >= 0")
-        every = _seconds(req.get("every_s", 0), "every_s")
+        every = _seconds(req.get("every_s"), "every_s")
+        if every <= 0:
+            raise HintError("checkpoint: every_s must be > 0 (seconds between checkpoints)")
         self._checkpoints[rel] = nbytes
         want = sum(self._checkpoints.values())
         tier = self.cache.tiers[self.write_tier]
@@ -436,7 +441,7 @@ class HintService:
         for need in self.plan.by_rank():
             left = self.plan.remaining(need, self.cache.is_resident)
             to_fetch += left
-            resident += sum(need.sizes[i] for i, c in enumerate(need.chunks) if self.cache.is_resident(c))
+            resident += sum(need.sizes[i] for i in need.unique() if self.cache.is_resident(need.chunks[i]))
             if not math.isinf(need.deadline) and need.finished_at is None and len(pending) < 20:
                 p = proj.get(need.id, 0.0)
                 pending.append({"id": need.id, "label": need.label, "deadline_in_s": need.deadline - now,
