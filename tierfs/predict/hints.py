@@ -196,8 +196,7 @@ class HintService:
                 if doc["done"] or need.cancelled or (self.stalled_rounds >= 3 and not self._queued):
                     timed_out = False
                     break
-                self._kick.set()
-                await self._progress.wait()
+                await self._progress.wait()  # after the next prefetch round (<= 0.25 s)
         doc = self._progress_doc(need)
         doc["timed_out"] = timed_out and not doc["done"]
         # The tiers take no more of the plan: full of data needed sooner (or kept free for
@@ -332,7 +331,7 @@ class HintService:
 
     def _rate(self) -> float:
         st = self.scheduler.statistics()
-        if st.busy_seconds > 0.5 and st.backing_bytes_read > 0:
+        if st.backing_reads >= 2 and st.busy_seconds > 0:
             return st.backing_bytes_read / st.busy_seconds
         return FALLBACK_RATE
 

@@ -344,7 +344,7 @@ class TransactionScheduler:
 
     async def _execute_io(self, task: IoTask, slots: trio.Semaphore) -> None:
         self._head = task.position
-        t0 = time.monotonic()
+        t0 = trio.current_time()  # trio's clock: mocked in tests and tierfs sim
         try:
             assert self._run_io is not None, "no run_io given to the scheduler"
             task.result = await self._run_io(task.fn)
@@ -355,7 +355,7 @@ class TransactionScheduler:
         except Exception as e:  # noqa: BLE001 - handed to the waiter, who re-raises it
             task.error = e
         finally:
-            self._busy += time.monotonic() - t0
+            self._busy += trio.current_time() - t0
             slots.release()
             self._io_tasks += 1
             del self._in_flight[task.key]
@@ -367,7 +367,7 @@ class TransactionScheduler:
         offset = run[0].index * self.chunk_size
         length = min(len(run) * self.chunk_size, f.size - offset)
         self._head = (f.order, run[-1].index + 1)
-        t0 = time.monotonic()
+        t0 = trio.current_time()
         data: bytes | None = None
         error: BaseException | None = None
         try:
@@ -377,7 +377,7 @@ class TransactionScheduler:
         except OSError as e:
             error = BackingIOError(f.path, e)
         finally:
-            self._busy += time.monotonic() - t0
+            self._busy += trio.current_time() - t0
             slots.release()
         if data is not None:
             self._bytes += len(data)

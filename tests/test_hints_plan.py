@@ -1,0 +1,221 @@
+"""The hint plan and the policy that consults it (pure logic, hypothesis), the daemon's
+HintService on trio's mock clock (deadline projection and misses), and the policy simulator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from array import array
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierfs import sim
+from tierfs.cache.manager import Cache
+from tierfs.cache.plan import HintPlan, Need, PlannedFile
+from tierfs.cache.policy import FrequencyTable, Policy, Residency
+from tierfs.cache.tier import Tier
+from tierfs.io import Device
+from tierfs.predict.hints import HintService
+from tierfs.sched.scheduler import TransactionScheduler
+
+CS = 64 * 1024
+
+
+def make_need(plan: HintPlan, chunks: list[tuple[str, int]], deadline: float = math.inf, priority: int = 0,
+              source: str = "", label: str = "need") -> Need:
+    sizes = array("q", [CS] * len(chunks))
+    files = [PlannedFile(b"/x", "k", CS * len(chunks), 0, len(chunks))]
+    return Need(plan.new_id(), label, source, list(chunks), sizes, files, deadline, priority, created=0.0)
+
+
+def test_next_use_follows_edf_rank_and_consumption() -> None:
+    plan = HintPlan()
+    a = plan.add(make_need(plan, [("f", 0), ("f", 1), ("f", 2)]))  # no deadline
+    b = plan.add(make_need(plan, [("g", 0), ("f", 2)], deadline=10.0))
+    # the deadline need ranks first, so f/2's next use is its place in b
+    assert plan.next_use(("f", 2)) == b.rank(1)
+    assert plan.next_use(("f", 0)) == a.rank(0) and plan.next_use(("f", 0)) > plan.next_use(("f", 2))
+    assert plan.next_use(("nope", 0)) is None
+    assert plan.consume(("f", 2))  # the earliest occurrence (in b) is used up first
+    assert plan.next_use(("f", 2)) == a.rank(2)
+    assert plan.consume(("f", 2)) and plan.next_use(("f", 2)) is None  # never needed again
+    assert not plan.consume(("f", 2))
+    assert plan.consume(("f", 0)) and a.cursor == 1
+
+
+def test_epoch_order_of_a_source_replaces_the_last_one() -> None:
+    plan = HintPlan()
+    e1 = plan.add(make_need(plan, [("f", 0)], source="job"), replaces_source_kind="epoch")
+    other = plan.add(make_need(plan, [("h", 0)], source="other"), replaces_source_kind="epoch")
+    e2 = plan.add(make_need(plan, [("g", 0)], source="job"), replaces_source_kind="epoch")
+    assert set(plan.needs) == {other.id, e2.id}
+    assert plan.next_use(("f", 0)) is None and plan.next_use(("g", 0)) is not None
+    assert plan.recent[e1.id] is e1  # still answers progress queries
+
+
+def test_release_and_cancel() -> None:
+    plan = HintPlan()
+    n = plan.add(make_need(plan, [("f", 0), ("f", 1)]))
+    plan.release([("f", 0)])
+    assert plan.is_released(("f", 0)) and plan.next_use(("f", 0)) is None
+    plan.add(make_need(plan, [("f", 0)]))  # needed again: no longer released
+    assert not plan.is_released(("f", 0))
+    assert plan.cancel(n.id) and n.cancelled and n.id not in plan.needs
+    assert not plan.cancel("n999")
+
+
+def test_deadline_miss_is_counted_once() -> None:
+    plan = HintPlan()
+    n = plan.add(make_need(plan, [("f", 0), ("f", 1)], deadline=5.0))
+    resident = {("f", 0)}
+    assert plan.check_deadlines(4.0, resident.__contains__) == []
+    assert plan.check_deadlines(6.0, resident.__contains__) == [n]
+    assert plan.check_deadlines(7.0, resident.__contains__) == []
+    assert plan.deadline_misses == 1 and plan.missed_bytes == CS
+    done = plan.add(make_need(plan, [("g", 0)], deadline=5.0))
+    plan.check_deadlines(1.0, {("g", 0)}.__contains__)
+    assert done.finished_at == 1.0 and not done.missed
+
+
+def test_policy_with_plan_never_evicts_what_is_needed_sooner() -> None:
+    plan = HintPlan()
+    pol = Policy("nothrash", window=100, plan=plan)
+    plan.add(make_need(plan, [("soon", 0), ("mid", 0), ("late", 0)], deadline=10.0))
+    plan.release([("gone", 0)])
+    assert pol.admits(0, ("late", 0), ("soon", 0))
+    assert not pol.admits(0, ("soon", 0), ("late", 0))
+    assert pol.admits(0, ("gone", 0), ("late", 0))  # released goes first, even for the latest
+    assert pol.admits(0, ("cold", 0), ("late", 0))  # unplanned victim
+    assert not pol.admits(99, ("late", 0), ("cold", 0))  # unplanned newcomer: never over a planned one
+    assert pol.promotes(("soon", 0), ("late", 0)) and not pol.promotes(("late", 0), ("soon", 0))
+    # without a plan entry for either, the policy's own rule decides
+    assert pol.admits(2, ("a", 0), ("b", 0)) == (2 > pol.freq.get(("a", 0)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(residents=st.lists(st.integers(0, 30), min_size=1, max_size=25, unique=True),
+       planned=st.lists(st.integers(0, 30), max_size=30), released=st.lists(st.integers(0, 30), max_size=5))
+def test_victim_order_is_released_then_unplanned_then_furthest_next_use(residents, planned, released) -> None:  # type: ignore[no-untyped-def]
+    plan = HintPlan()
+    freq = FrequencyTable(1000)
+    res = Residency(freq, use_counts=True, plan=plan)
+    for r in residents:
+        res.add(("c", r))
+    if planned:
+        plan.add(make_need(plan, [("c", p) for p in planned]))
+    if released:
+        plan.release([("c", r) for r in released])
+    order = list(res.victims(lambda cid: False))
+    assert sorted(order) == sorted(("c", r) for r in residents)  # each resident once
+    kinds = [0 if plan.is_released(c) else (1 if plan.next_use(c) is None else 2) for c in order]
+    assert kinds == sorted(kinds)
+    ranks = [plan.next_use(c) for c, k in zip(order, kinds, strict=True) if k == 2]
+    assert ranks == sorted(ranks, reverse=True)  # furthest next use first (Belady)
+
+
+class SlowBacking:
+    async def read(self, f, offset: int, length: int) -> bytes:  # type: ignore[no-untyped-def]
+        await trio.sleep(0.1)  # 64 KiB per 0.1 s: 0.65 MB/s
+        return bytes(length)
+
+
+async def test_a_need_that_cannot_make_it_is_reported_early_and_counted(tmp_path: Path, autojump_clock, caplog) -> None:  # type: ignore[no-untyped-def]
+    backing = tmp_path / "back"
+    backing.mkdir()
+    (backing / "big").write_bytes(bytes(40 * CS))
+    (backing / "small").write_bytes(bytes(2 * CS))
+    plan = HintPlan()
+    sched = TransactionScheduler(SlowBacking().read, chunk_size=CS, slice_size=CS)
+    dev = Device("t", 1, inline_under=math.inf)
+    cache = Cache([Tier("ram", str(tmp_path / "ram"), 64 * CS, inline=True)], [dev],
+                  Policy("nothrash", 1000, plan=plan), sched, chunk_size=CS, staging_bytes=4 * CS)
+    hints = HintService(cache=cache, scheduler=sched, backing_root=str(backing).encode(), meta=dev,
+                        chunk_size=CS, write_tier=0, budget=4 * CS)
+    caplog.set_level(logging.INFO, logger="tierfs.hints")
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        await n.start(hints.run)
+        ok = await hints.handle({"op": "need", "items": [["small", 0, None]], "deadline_s": 5})
+        late = await hints.handle({"op": "need", "items": [["big", 0, None]], "deadline_s": 2})
+        await trio.sleep(0.5)
+        # 40 chunks at 0.1 s each cannot be resident within 2 s: reported before the deadline
+        assert any("projected to miss" in r.message and late["id"] in r.message for r in caplog.records)
+        prog = await hints.handle({"op": "progress", "id": late["id"]})
+        assert prog["projected_s"] is not None and prog["deadline_in_s"] < prog["projected_s"]
+        # EDF: the earlier deadline is served first, so the small need is not starved by order
+        waited = await hints.handle({"op": "wait", "id": late["id"], "timeout": 10})
+        assert waited["missed"] and hints.plan.deadline_misses >= 1
+        assert any("missed its deadline" in r.message for r in caplog.records)
+        small = await hints.handle({"op": "wait", "id": ok["id"], "timeout": 10})
+        assert small["done"] and not small["missed"]
+        stats = hints.statistics()
+        assert stats["deadline_misses"] == 1 and stats["declared_bytes"] == 42 * CS
+        with pytest.raises(ValueError):
+            await hints.handle({"op": "need", "items": [["../x", 0, None]]})
+        n.cancel_scope.cancel()
+    hints.close()
+    cache.close()
+
+
+def _optimal_hits(refs: list[int], capacity: int) -> int:
+    """Exhaustive search: the most hits any cache of ``capacity`` (with bypass) gets."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def best(i: int, cache: frozenset[int]) -> int:
+        if i == len(refs):
+            return 0
+        r = refs[i]
+        if r in cache:
+            return 1 + best(i + 1, cache)
+        options = [best(i + 1, cache)]  # bypass
+        if len(cache) < capacity:
+            options.append(best(i + 1, cache | {r}))
+        else:
+            options.extend(best(i + 1, (cache - {v}) | {r}) for v in cache)
+        return max(options)
+
+    return best(0, frozenset())
+
+
+@settings(max_examples=40, deadline=None)
+@given(refs=st.lists(st.integers(0, 5), min_size=1, max_size=14), capacity=st.integers(1, 3))
+def test_belady_matches_an_exhaustive_optimum(refs: list[int], capacity: int) -> None:
+    trace = sim.Trace("t", "", {"f": 8}, [sim.Job("j", [sim.Read("f", r) for r in refs])], ram_chunks=capacity,
+                      staging_chunks=0)
+    r = sim.belady(trace, capacity)
+    assert round(r["hit_ratio"] * len(refs)) == _optimal_hits(refs, capacity)
+
+
+def test_simulator_meets_the_targets_and_is_deterministic() -> None:
+    a = sim.run()
+    b = sim.run(["train-eval"])
+    assert a["train-eval"] == b["train-eval"]
+    assert sim.check_targets(a) == []
+    for name, per in a.items():
+        assert set(per) == set(sim.POLICIES), name
+        for pol, m in per.items():
+            assert {"hit_ratio", "backing_bytes", "deadline_misses"} <= set(m), (name, pol)
+            assert "invariant_violations" not in m, (name, pol, m)
+        # hints beat the baselines users have, and their eviction alone approaches MIN
+        assert per["tierfs+hints"]["hit_ratio"] > per["lru"]["hit_ratio"]
+        assert per["hints-evict-only"]["hit_ratio"] >= 0.9 * per["belady"]["hit_ratio"]
+        assert per["tierfs"]["hit_ratio"] >= per["minio"]["hit_ratio"]
+    assert a["train-eval"]["tierfs+hints"]["deadline_misses"] == 0
+    assert a["train-eval"]["lru"]["deadline_misses"] > 0  # the trace can fail: a test of the test
+
+
+def test_sim_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    from tierfs.cli import main
+
+    assert main(["sim", "--json", "--trace", "sequential-shards"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["targets_missed"] == [] and set(doc["traces"]) == {"sequential-shards"}
+    assert main(["sim", "--trace", "nope"]) == 2
