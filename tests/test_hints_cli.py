@@ -58,3 +58,23 @@ def test_warmup_that_cannot_fit_says_so(tiermount, tmp_path: Path) -> None:  # t
     m = tiermount(ram="8MiB", ssd=None, extra=("--chunk-size", "1MiB", "-o", "staging=4MiB"))
     r = tierfs_cmd("warmup", str(m.mnt), "--timeout", "60", check=False)
     assert r.returncode == 1 and "NOT done" in r.stdout and "hold no more" in r.stdout, r.stdout
+
+
+def test_shards_read_in_name_order_are_prefetched_across_files(tiermount, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """No hints: a reader streaming shards in name order finds the next shard's first chunks
+    already fetched when it opens it (next-file prediction)."""
+    n = 8
+    for i in range(n):
+        write_random(tmp_path / "back" / "shards" / f"{i:03d}.tar", 2 * MiB, seed=i)
+    m = tiermount(ram="64MiB", ssd=None, extra=("--chunk-size", "1MiB"))
+    found_ahead = 0
+    for i in range(n):
+        p = m.mnt / "shards" / f"{i:03d}.tar"
+        if i >= 3:
+            found_ahead += resident(m, p) > 0
+        with open(p, "rb") as f:
+            while f.read(256 * 1024):
+                pass
+    pred = m.stats()["hints"]["next_file_predictions"]
+    assert pred["right"] >= 3 and pred["wrong"] == 0, pred
+    assert found_ahead >= 3

@@ -166,9 +166,9 @@ async def test_a_need_that_cannot_make_it_is_reported_early_and_counted(tmp_path
 
 def _optimal_hits(refs: list[int], capacity: int) -> int:
     """Exhaustive search: the most hits any cache of ``capacity`` (with bypass) gets."""
-    from functools import lru_cache
+    from functools import cache
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(i: int, cache: frozenset[int]) -> int:
         if i == len(refs):
             return 0
@@ -219,3 +219,33 @@ def test_sim_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
     doc = json.loads(capsys.readouterr().out)
     assert doc["targets_missed"] == [] and set(doc["traces"]) == {"sequential-shards"}
     assert main(["sim", "--trace", "nope"]) == 2
+
+
+def test_next_file_predictor_learns_name_order_and_repetition_and_quiets_on_shuffles() -> None:
+    from tierfs.predict.nextfile import NextFilePredictor
+
+    names = [f"{i:03d}.tar".encode() for i in range(20)]
+    p = NextFilePredictor()
+    rel = [b"d/" + n for n in names]
+    guesses = []
+    for r in rel:  # epoch 1: name order
+        p.opened(7, r, names)
+        guesses.append(p.predict(7, r, names))
+    assert guesses[0] is None and guesses[1] is None  # name order trusted after it was right twice
+    assert guesses[5] == rel[6] and p.hits >= 10 and p.misses == 0
+    p2 = NextFilePredictor()  # epoch repetition: a fixed non-name order seen once is replayed
+    order = [rel[i] for i in (5, 2, 9, 1, 7)]
+    for _ in range(2):
+        for r in order:
+            p2.opened(1, r, None)
+            p2.predict(1, r, None)
+    assert p2.hits == 4 and p2.predict(1, order[1], None) == order[2]
+    import random
+
+    p3 = NextFilePredictor()  # shuffled epochs: mostly wrong -> it stops guessing
+    rnd = random.Random(0)
+    for _ in range(6):
+        for r in rnd.sample(rel, len(rel)):
+            p3.opened(1, r, None)
+            p3.predict(1, r, None)
+    assert not p3.confident() and p3.misses <= 40

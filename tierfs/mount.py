@@ -283,7 +283,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
     hints = HintService(cache=cache, scheduler=scheduler, backing_root=os.fsencode(plan.backing), meta=meta,
                         chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
-                        dirty_bytes=dirty_bytes)
+                        dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size))
 
     async def ctl(request: bytes) -> bytes:
         try:
@@ -344,7 +344,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                             "config.json": render_config}, {wire.CTL_FILE: ctl})
     ops = Operations(inodes=inodes, cache=cache, writeback=writeback,
                      readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
-                     control=control, meta=meta, attr_timeout=cfg.attr_timeout)
+                     control=control, meta=meta, attr_timeout=cfg.attr_timeout,
+                     on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
     options = {"fsname=tierfs", "subtype=tierfs", "default_permissions", "noatime"}
     if cfg.allow_other:
         options.add("allow_other")

@@ -14,7 +14,8 @@ Policies:
 
 * ``lru``: admit everything, evict least recently used; no prefetch (what users have today).
 * ``minio``: CoorDL's MinIO cache (Mohan et al., VLDB 2021): once full, never replace.
-* ``tierfs``: tierfs without hints: no-thrash admission + sequential readahead.
+* ``tierfs``: tierfs without hints: no-thrash admission, sequential readahead and next-file
+  prediction (:mod:`tierfs.predict.nextfile`).
 * ``tierfs+hints``: the same with the hints :mod:`tierfs_hints` sends (each epoch's order and
   the next one, as ``HintedSampler(lookahead_epochs=1)`` does; eval phases ahead of time).
 * ``hints-evict-only``: the hint plan's eviction (MIN order) without its prefetcher or
@@ -225,7 +226,7 @@ def belady(trace: Trace, capacity: int) -> dict[str, Any]:
 async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     hinted = policy in ("tierfs+hints", "hints-evict-only")
     prefetching = policy in ("tierfs", "tierfs+hints")
-    plan = HintPlan() if hinted else None
+    plan = HintPlan() if hinted or prefetching else None
     pol = Policy(policy if policy in ("lru", "minio") else "nothrash", window=8 * 4096, plan=plan)
     inline = Device("sim", 1, inline_under=math.inf)  # no threads: the mock clock must see all work
     tiers = [Tier("ram", os.path.join(root, f"{policy}-ram"), trace.ram_chunks * CHUNK, inline=True)]
@@ -257,22 +258,24 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
         files[name] = BackingFile(Identity.of(p, os.fstat(fd)), fd)
         files[name].acquire()
     hints = None
-    if hinted:
+    if plan is not None:  # tierfs: next-file prediction; with hints also the hints themselves
         hints = HintService(cache=cache, scheduler=sched, backing_root=os.fsencode(backing), meta=inline,
-                            chunk_size=CHUNK, write_tier=0, budget=16 * CHUNK)
+                            chunk_size=CHUNK, write_tier=0, budget=16 * CHUNK,
+                            predict_bytes=4 * CHUNK if prefetching else 0)
     ra = Readahead(CHUNK, 8 * CHUNK, budget=trace.staging_chunks * CHUNK) if prefetching else None
     hits = total = dmiss = 0
     waited = 0.0
 
     async def job(j: Job) -> None:
         nonlocal hits, total, dmiss, waited
+        pid = trace.jobs.index(j) + 1
         started = trio.current_time()
         computed = 0.0
         access: dict[str, AccessState] = {}
         ra_state: dict[str, ReadaheadState] = {}
         for step in j.steps:
             if isinstance(step, Hint):
-                if hints is not None:
+                if hints is not None and hinted:
                     if step.op == "epoch":
                         await hints.handle({"op": "epoch", "paths": step.files, "source": j.name})
                     else:
@@ -280,6 +283,8 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
                                             "paths": step.files, "source": j.name})
                 continue
             f = files[step.file]
+            if hints is not None and step.chunk == 0:
+                hints.file_opened(pid, step.file.encode())
             cid = (f.key, step.chunk)
             hit = cache.is_resident(cid)
             total += 1
@@ -292,6 +297,8 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
                 idxs = ra.on_read(st, step.chunk * CHUNK, CHUNK, f.size)
                 if idxs:
                     cache.prefetch(f, idxs)
+                    if hints is not None and idxs[-1] == (f.size - 1) // CHUNK:
+                        hints.file_read_end(pid, step.file.encode())
             await trio.sleep(trace.compute_s)
             computed += trace.compute_s
         waited += trio.current_time() - started - computed
@@ -301,6 +308,8 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
         await nursery.start(sched.run)
         if hints is not None and prefetching:
             await nursery.start(hints.run)
+        elif hints is not None:  # evict-only: the plan is kept, nothing is prefetched
+            hints.predict_bytes = 0
         async with trio.open_nursery() as jobs:
             for j in trace.jobs:
                 jobs.start_soon(job, j)

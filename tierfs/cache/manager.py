@@ -423,6 +423,9 @@ class Cache:
                 tier.release(length)
                 self._tier_write_failed(t, cid, e)
                 continue
+            except BaseException:  # cancelled (unmount): the reservation must not leak
+                tier.release(length)
+                raise
             if cid in self.catalog.entries:  # raced with another placement; keep the other
                 tier.release(length)
                 return self.catalog.entries[cid].tier

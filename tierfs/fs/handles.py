@@ -26,6 +26,7 @@ class FileHandle:
     append: bool = False
     access: AccessState = field(default_factory=AccessState)
     readahead: ReadaheadState = field(default_factory=ReadaheadState)
+    pid: int = 0  # the opener (readers are told apart for next-file prediction)
 
 
 @dataclass(eq=False)

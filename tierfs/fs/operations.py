@@ -25,7 +25,7 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -143,7 +143,12 @@ class Operations(pyfuse3.Operations):
         self, *, inodes: InodeTable, cache: Cache, writeback: WriteBack, readahead: Readahead,
         control: ControlPlane, meta: Device, attr_timeout: float,
         nursery: trio.Nursery | None = None,
+        on_open_read: Callable[[int, bytes], None] | None = None,
+        on_read_end: Callable[[int, bytes], None] | None = None,
     ) -> None:
+        """``on_open_read(pid, path)``: a process opened a file for reading;
+        ``on_read_end(pid, path)``: its readahead reached the file's last chunk (both for
+        next-file prediction; they must not block)."""
         super().__init__()
         self.inodes = inodes
         self.handles = HandleTable()
@@ -155,6 +160,8 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.open_files: dict[str, BackingFile] = {}
         self.nursery = nursery
+        self.on_open_read = on_open_read
+        self.on_read_end = on_read_end
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -655,7 +662,9 @@ class Operations(pyfuse3.Operations):
             writer = bool(flags & _WRITE_FLAGS)
             if entry.path is None:
                 return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
-            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND))
+            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid)
+            if not writer and self.on_open_read is not None:
+                self.on_open_read(ctx.pid, entry.path)
             if flags & os.O_TRUNC:
                 df = await self._make_dirty(entry, truncate=True)
                 if df.size:
@@ -744,6 +753,9 @@ class Operations(pyfuse3.Operations):
             h.access.random = h.readahead.window == 0
             if ahead:
                 self.cache.prefetch(f, ahead)
+                if self.on_read_end is not None and entry is not None and entry.path is not None \
+                        and ahead[-1] == (f.size - 1) // self.cache.chunk_size:
+                    self.on_read_end(h.pid, entry.path)
             return await self.cache.read(f, off, size, h.access)
 
     async def write(self, fh, off, buf):  # type: ignore[no-untyped-def,override]

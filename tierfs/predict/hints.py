@@ -33,6 +33,7 @@ from tierfs.cache.manager import Cache
 from tierfs.cache.plan import ChunkId, HintPlan, Need, PlannedFile, chunk_bytes, chunk_ranges
 from tierfs.errors import HintError
 from tierfs.io import Device
+from tierfs.predict.nextfile import NextFilePredictor
 from tierfs.sched.backing import BackingFile, Identity
 from tierfs.sched.scheduler import FetchRequest, Klass, ReqState, TransactionScheduler
 
@@ -42,6 +43,7 @@ log = logging.getLogger("tierfs.hints")
 MAX_WAIT_S = 10.0
 FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read was measured
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
+LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
 
 
 def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
@@ -64,7 +66,7 @@ class HintService:
 
     def __init__(self, *, cache: Cache, scheduler: TransactionScheduler, backing_root: bytes,
                  meta: Device, chunk_size: int, write_tier: int, budget: int,
-                 dirty_bytes: Callable[[bytes], int] | None = None) -> None:
+                 dirty_bytes: Callable[[bytes], int] | None = None, predict_bytes: int = 0) -> None:
         assert cache.plan is not None
         self.cache = cache
         self.plan: HintPlan = cache.plan
@@ -87,6 +89,11 @@ class HintService:
         self.prefetched_bytes = 0
         self.requests = 0
         self.stalled_rounds = 0  # rounds in a row where no tier admitted the next planned chunk
+        self.predictor = NextFilePredictor()
+        self.predict_bytes = predict_bytes  # 0: no next-file prediction
+        self._predicted: dict[tuple[int, bytes], str] = {}  # (pid, dir) -> need id
+        self._listings: dict[bytes, tuple[float, list[bytes]]] = {}
+        self._nursery: trio.Nursery | None = None
 
     # -- requests -----------------------------------------------------------------------------
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +305,12 @@ class HintService:
 
     # -- the prefetcher -----------------------------------------------------------------------
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._loop()
+
+    async def _loop(self) -> None:
         while True:
             with trio.move_on_after(0.25):
                 await self._kick.wait()
@@ -313,6 +325,51 @@ class HintService:
 
     def kick(self) -> None:
         self._kick.set()
+
+    # -- next-file prediction (no hints) ----------------------------------------------------------
+    def file_opened(self, pid: int, rel: bytes) -> None:
+        """Operations callback (must not block): learn; cancel a wrong prediction."""
+        if self.predict_bytes and self._nursery is not None:
+            self._nursery.start_soon(self._opened, pid, rel)
+
+    def file_read_end(self, pid: int, rel: bytes) -> None:
+        """Operations callback: ``pid``'s readahead reached the end of ``rel``."""
+        if self.predict_bytes and self._nursery is not None:
+            self._nursery.start_soon(self._predict, pid, rel)
+
+    async def _listing(self, d: bytes) -> list[bytes] | None:
+        now = trio.current_time()
+        cached = self._listings.get(d)
+        if cached is not None and now - cached[0] < LISTING_TTL_S:
+            return cached[1]
+        try:
+            names: list[bytes] = await self.meta.run(os.listdir, self.root + b"/" + d if d else self.root)
+        except OSError:
+            return None
+        if len(self._listings) > 1024:
+            self._listings.clear()
+        listing = sorted(names)
+        self._listings[d] = (now, listing)
+        return listing
+
+    async def _opened(self, pid: int, rel: bytes) -> None:
+        d = os.path.dirname(rel)
+        wrong = self.predictor.opened(pid, rel, await self._listing(d))
+        nid = self._predicted.pop((pid, d), None)
+        if wrong is not None and nid is not None:
+            self.plan.cancel(nid)
+
+    async def _predict(self, pid: int, rel: bytes) -> None:
+        d = os.path.dirname(rel)
+        nxt = self.predictor.predict(pid, rel, await self._listing(d))
+        if nxt is None:
+            return
+        try:
+            reply = await self._register([(os.fsdecode(nxt), 0, self.predict_bytes)], math.inf, -1,
+                                         f"predict:{pid}:{os.fsdecode(d)}", "predicted", replaces="predicted")
+        except HintError:
+            return
+        self._predicted[(pid, d)] = reply["id"]
 
     def _check_deadlines(self) -> None:
         now = trio.current_time()
@@ -449,6 +506,8 @@ class HintService:
         ps.update({"resident_bytes": resident, "to_fetch_bytes": to_fetch, "prefetched_bytes": self.prefetched_bytes,
                    "queued_chunks": len(self._queued), "pending_deadlines": pending,
                    "write_tier_kept_free_bytes": self.cache.tiers[self.write_tier].keep_free,
+                   "next_file_predictions": {"right": self.predictor.hits, "wrong": self.predictor.misses,
+                                             "active": self.predictor.confident()},
                    "requests": self.requests})
         return ps
 
