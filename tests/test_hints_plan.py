@@ -249,3 +249,18 @@ def test_next_file_predictor_learns_name_order_and_repetition_and_quiets_on_shuf
             p3.opened(1, r, None)
             p3.predict(1, r, None)
     assert not p3.confident() and p3.misses <= 40
+
+
+def test_warmup_by_accepts_seconds_durations_and_clock_times() -> None:
+    import datetime as dt
+
+    from tierfs.cli import parse_by
+    from tierfs.errors import ConfigError
+
+    assert parse_by("90") == 90 and parse_by("30s") == 30 and parse_by("10m") == 600 and parse_by("2h") == 7200
+    now = dt.datetime(2026, 11, 29, 14, 0, 0).timestamp()
+    assert parse_by("14:05", now=now) == 300
+    assert parse_by("13:59:30", now=now) == 24 * 3600 - 30  # past: tomorrow
+    for bad in ("soon", "-5", "25:00", "nan", "10x", ""):
+        with pytest.raises(ConfigError):
+            parse_by(bad)

@@ -400,12 +400,41 @@ def cmd_where(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_by(text: str, now: float | None = None) -> float:
+    """``--by``: seconds from now (``90``), a duration (``30s``, ``10m``, ``2h``) or a clock
+    time today (``14:05``, ``14:05:30``; tomorrow if already past). Returns seconds from now.
+    Raises ConfigError."""
+    import datetime as dt
+
+    t = text.strip()
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if ":" in t:
+            parts = [int(x) for x in t.split(":")]
+            if len(parts) not in (2, 3) or not (0 <= parts[0] < 24 and all(0 <= x < 60 for x in parts[1:])):
+                raise ValueError
+            now_dt = dt.datetime.fromtimestamp(time.time() if now is None else now)
+            at = now_dt.replace(hour=parts[0], minute=parts[1], second=parts[2] if len(parts) == 3 else 0,
+                                microsecond=0)
+            if at < now_dt:
+                at += dt.timedelta(days=1)
+            return (at - now_dt).total_seconds()
+        scale = units.get(t[-1:].lower(), None)
+        value = float(t[:-1] if scale else t) * (scale or 1)
+        if not value >= 0 or value == float("inf"):
+            raise ValueError
+        return value
+    except ValueError:
+        raise ConfigError(f"--by {text!r}: expected seconds (90), a duration (30s, 10m, 2h) or a clock "
+                          "time (14:05)") from None
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     mnt, rel = _mount_of(_expand(args.paths))
     req: dict[str, Any] = {"op": "need", "items": [[r, 0, None] for r in rel], "source": "tierfs warmup",
                            "label": "warmup"}
     if args.by is not None:
-        req["deadline_s"] = args.by
+        req["deadline_s"] = parse_by(args.by)
     reply = _hint_request(mnt, req)
     print(f"tierfs: warming {reply['files']} files, {format_size(reply['bytes'])} (hint {reply['id']})")
     for m in reply["missing"]:
@@ -503,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_where)
     wu = sub.add_parser("warmup", help="fetch files into the tiers (a need hint from the shell)")
     wu.add_argument("paths", nargs="+", help="files or directories, fetched in this order")
-    wu.add_argument("--by", type=float, help="deadline, seconds from now (default: none)")
+    wu.add_argument("--by", help="deadline: seconds (90), a duration (10m) or a clock time (14:05); default none")
     wu.add_argument("--no-wait", action="store_true", help="return once the hint is registered")
     wu.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait at most")
     wu.set_defaults(func=cmd_warmup)
