@@ -753,9 +753,10 @@ class Operations(pyfuse3.Operations):
             h.access.random = h.readahead.window == 0
             if ahead:
                 self.cache.prefetch(f, ahead)
-                if self.on_read_end is not None and entry is not None and entry.path is not None \
-                        and ahead[-1] == (f.size - 1) // self.cache.chunk_size:
-                    self.on_read_end(h.pid, entry.path)
+            if self.on_read_end is not None and entry is not None and entry.path is not None and (
+                    (ahead and ahead[-1] == (f.size - 1) // self.cache.chunk_size)
+                    or (off == 0 and f.size <= self.cache.chunk_size)):  # a one-chunk file: at once
+                self.on_read_end(h.pid, entry.path)
             return await self.cache.read(f, off, size, h.access)
 
     async def write(self, fh, off, buf):  # type: ignore[no-untyped-def,override]

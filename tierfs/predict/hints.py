@@ -44,6 +44,7 @@ MAX_WAIT_S = 10.0
 FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read was measured
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
 LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
+MAX_LISTING = 200_000  # larger directories: successor prediction only
 
 
 def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
@@ -346,6 +347,8 @@ class HintService:
             names: list[bytes] = await self.meta.run(os.listdir, self.root + b"/" + d if d else self.root)
         except OSError:
             return None
+        if len(names) > MAX_LISTING:
+            return None  # name-order prediction is not worth sorting this on every refresh
         if len(self._listings) > 1024:
             self._listings.clear()
         listing = sorted(names)
