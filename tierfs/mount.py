@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 import xxhash
 
-from tierfs import io
+from tierfs import io, logevents
 from tierfs import stats as stats_mod
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
@@ -305,15 +305,17 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             reply = {"ok": False, "error": str(e)}
         return json.dumps(reply).encode() + b"\n"
 
+    def stats_doc() -> dict:
+        return stats_mod.build(cache=cache, scheduler=scheduler, writeback=writeback, started=started,
+                               backing=plan.backing, mountpoint=plan.mountpoint,
+                               chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
+                               inodes=len(inodes),
+                               fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
+                               fuse_writes=(ops.writes, ops.write_bytes),
+                               devices=[*devices, backing_dev, meta, dirty_data_dev])
+
     def render_stats() -> bytes:
-        doc = stats_mod.build(cache=cache, scheduler=scheduler, writeback=writeback, started=started,
-                              backing=plan.backing, mountpoint=plan.mountpoint,
-                              chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
-                              inodes=len(inodes),
-                              fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
-                              fuse_writes=(ops.writes, ops.write_bytes),
-                              devices=[*devices, backing_dev, meta, dirty_data_dev])
-        return json.dumps(doc, indent=1).encode() + b"\n"
+        return json.dumps(stats_doc(), indent=1).encode() + b"\n"
 
     def render_config() -> bytes:
         d = asdict(cfg)
@@ -325,7 +327,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     ops = Operations(inodes=inodes, cache=cache, writeback=writeback,
                      readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                      control=control, meta=meta, attr_timeout=cfg.attr_timeout)
-    options = {"fsname=tierfs", "subtype=tierfs", "default_permissions", "noatime"}
+    # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
+    fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
+    options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
     if cfg.allow_other:
         options.add("allow_other")
     try:
@@ -333,7 +337,13 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     except RuntimeError as e:
         raise MountError(f"FUSE mount of {plan.mountpoint} failed: {e}") from None
     unmounted_cleanly = False
+    exporter = None
     try:
+        if cfg.metrics_port:
+            from tierfs.metrics import Exporter
+
+            exporter = Exporter(cfg.metrics_addr, cfg.metrics_port, stats_doc)
+            log.info("metrics on http://%s:%d/metrics", *exporter.address[:2])
         async with trio.open_nursery() as nursery:
             cache.attach(nursery)
             ops.nursery = nursery
@@ -357,6 +367,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
             nursery.start_soon(fuse_main)
             nursery.start_soon(on_signal)
+            nursery.start_soon(logevents.watch, writeback.statistics, log)
             if cfg.read_ahead_kb:
                 try:
                     bdi = await trio.to_thread.run_sync(_set_kernel_readahead, plan.mountpoint, cfg.read_ahead_kb)
@@ -368,6 +379,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             ready(None)
         unmounted_cleanly = True
     finally:
+        if exporter is not None:
+            exporter.close()
         try:
             pyfuse3.close(unmount=True)
         except Exception as e:  # noqa: BLE001 - teardown must go on
