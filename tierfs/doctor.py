@@ -272,8 +272,9 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
         cfg = json.loads(_with_timeout(lambda: read(wire.CONFIG_FILE), timeout))
     except _Hung:
         return [Finding("problem", "mount", f"the daemon of {mnt} does not answer within {timeout:.0f}s "
-                                            "(hung, or stuck on the backing store); see its log and "
-                                            "`py-spy dump --pid PID`")]
+                                            "(hung, or stuck on the backing store); see its log, and "
+                                            "`py-spy dump --pid PID` with the PID from "
+                                            "`ps -ef | grep 'tierfs mount'`")]
     except OSError as e:
         if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
             return _check_dead(mnt)
