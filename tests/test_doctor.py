@@ -101,3 +101,16 @@ def test_nothing_mounted(tmp_path: Path) -> None:
     rc, found = doctor(tmp_path)
     assert rc == 1
     assert "nothing is mounted" in found["mount"][0]
+
+
+def test_mount_again_right_after_a_crash(tiermount) -> None:
+    """The user guide's crash drill, at full speed: the kernel still holds the root's attributes
+    (for attr_timeout; 60 s here to make the window certain) when the new mount checks the
+    mountpoint, so a stat of it still works and the dead mount looked like a live one ("already
+    mounted"). A statvfs is never answered from the cache."""
+    m = tiermount(ram="16MiB", extra=("-o", "attr_timeout=60"))
+    os.stat(m.mnt)
+    m.kill9()
+    os.stat(m.mnt)  # cached: no ENOTCONN
+    m.start()
+    assert doctor(m.mnt)[0] == 0

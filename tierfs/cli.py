@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tierfs stats --json | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def entry() -> None:

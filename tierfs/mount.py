@@ -118,8 +118,11 @@ def check_mountpoint(mountpoint: str) -> None:
     A dead FUSE mount ("Transport endpoint is not connected") is cleaned up first."""
     try:
         st = os.stat(mountpoint)
+        # the kernel answers stat from its attribute cache for attr_timeout, even after the
+        # daemon died; statvfs always asks the daemon, so a dead one shows here
+        os.statvfs(mountpoint)
     except OSError as e:
-        if e.errno == errno.ENOTCONN:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
             log.warning("%s: stale FUSE mount of a dead daemon; unmounting it", mountpoint)
             if not unmount(mountpoint, lazy=True):
                 raise MountError(f"mountpoint {mountpoint} has a dead FUSE mount that could not be unmounted") from None
