@@ -415,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.raw_argv = [a for a in argv]
+    # warnings of the command itself (a dead mount cleaned up) read like its other messages;
+    # the daemon replaces this with its own log target
+    logging.basicConfig(format="tierfs: %(message)s", level=logging.WARNING)
     try:
         return int(args.func(args))
     except (ConfigError, MountError) as e:

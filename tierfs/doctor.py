@@ -85,12 +85,12 @@ def _log_tail(path: str, n: int = 3) -> str:
     return "".join(f"\n      | {line}" for line in lines)
 
 
-def _check_dead(mnt: str) -> list[Finding]:
+def _check_dead(mnt: str, why: str) -> list[Finding]:
     from tierfs.mount import mount_id, state_dir_for
 
     log_path = os.path.join(state_dir_for(mnt), "daemon.log")
     out = [Finding("problem", "mount",
-                   f"the daemon of {mnt} is dead (Transport endpoint is not connected): programs "
+                   f"the daemon of {mnt} is dead ({why}): programs "
                    f"using the mount get errors. Run the same `tierfs mount` command again (it "
                    f"cleans up the dead mount, reuses the SSD tier and writes back what was not "
                    f"written back yet), or `tierfs umount {mnt}`. Last lines of {log_path}:"
@@ -277,7 +277,7 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
                                             "`ps -ef | grep 'tierfs mount'`")]
     except OSError as e:
         if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-            return _check_dead(mnt)
+            return _check_dead(mnt, e.strerror or "not connected")
         return [Finding("problem", "mount", f"{mnt}: {e.strerror}")]
     from tierfs.mount import state_dir_for
 
