@@ -156,7 +156,7 @@ def sbin_helper(tmp_path: Path) -> Iterator[Path]:
 
 
 def mounted_entry(mnt: Path) -> tuple[str, str] | None:
-    from tierfs.doctor import mount_entry
+    from tierfs.mount import mount_entry
 
     return mount_entry(str(mnt))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, is_mounted, needs_fuse, tierfs_cmd, write_random
+from tests.conftest import REPO, is_mounted, needs_fuse, tierfs_cmd, tmpfs, write_random
 from tierfs import logevents
 
 MiB = 1 << 20
@@ -152,13 +152,8 @@ def test_recovery_after_a_crash_is_logged_once(tiermount, tmp_path: Path) -> Non
 
 @pytest.fixture
 def small_backing(tmp_path: Path):  # type: ignore[no-untyped-def]
-    back = tmp_path / "back"
-    back.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(back)], check=True)
-    try:
+    with tmpfs(tmp_path / "back", "8m") as back:
         yield back
-    finally:
-        subprocess.run(["umount", "-l", str(back)], check=False)
 
 
 def wait_for(path: Path, pattern: str, timeout: float = 60) -> list[str]:

@@ -63,18 +63,6 @@ def _with_timeout(fn: Callable[[], T], timeout: float) -> T:
     return box["value"]  # type: ignore[no-any-return]
 
 
-def mount_entry(mountpoint: str) -> tuple[str, str] | None:
-    """(source, fstype) of what is mounted on ``mountpoint``, or None."""
-    real = os.path.realpath(mountpoint)
-    found = None
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 2 and fields[1].encode().decode("unicode_escape") == real:
-                found = (fields[0], fields[2])  # the last one is on top
-    return found
-
-
 def _log_tail(path: str, n: int = 3) -> str:
     try:
         with open(path, "rb") as f:
@@ -254,6 +242,8 @@ def _check_metrics(addr: str, port: int) -> Finding:
 
 def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
     """Every check of the module docstring, for the mount on ``mountpoint``."""
+    from tierfs.mount import mount_entry
+
     mnt = os.path.abspath(mountpoint)
     entry = mount_entry(mnt)
     if entry is None:

@@ -74,14 +74,20 @@ def state_dir_for(mountpoint: str) -> str:
     return os.path.join(base, mount_id(mountpoint))
 
 
-def is_mounted(path: str) -> bool:
+def mount_entry(path: str) -> tuple[str, str] | None:
+    """(source, fstype) of what is mounted on ``path`` (the one on top), or None."""
     real = os.path.realpath(path)
+    found = None
     with open("/proc/self/mounts") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 1 and fields[1].encode().decode("unicode_escape") == real:
-                return True
-    return False
+            if len(fields) > 2 and fields[1].encode().decode("unicode_escape") == real:
+                found = (fields[0].encode().decode("unicode_escape"), fields[2])
+    return found
+
+
+def is_mounted(path: str) -> bool:
+    return mount_entry(path) is not None
 
 
 def unmount(path: str, *, lazy: bool = False) -> bool:
