@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 APT_PKGS := fuse3 libfuse3-dev pkg-config bindfs nbdkit nbdkit-plugin-python libnbd-bin fio e2fsprogs util-linux rsync tar
 
-.PHONY: demo test bench lint setup system-deps clean
+.PHONY: demo test bench lint setup system-deps install uninstall clean
 
 system-deps:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -30,6 +30,14 @@ demo: setup
 
 test: setup
 	$(VPY) -m pytest -q
+
+# the mount(8) helper (/sbin/mount.fuse.tierfs), /usr/local/bin/tierfs and the systemd unit
+# tierfs@.service, as wrappers naming this checkout's .venv (docs/user-guide.md, section 10)
+install: setup
+	$(VPY) -m tierfs install-helper
+
+uninstall:
+	$(VPY) -m tierfs install-helper --uninstall
 
 bench: setup
 	$(VPY) -m tierfs bench

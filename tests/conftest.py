@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,20 @@ def module_mount(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterato
         yield m
     finally:
         force_unmount(m)
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``"64m"``) mounted on ``path`` (created if missing); unmounted in
+    ``finally``, lazily if still busy (a tierfs mount on top of it is torn down later)."""
+    path.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        assert not is_mounted(path)
 
 
 def write_random(path: Path, size: int, seed: int = 0) -> bytes:

@@ -30,6 +30,7 @@ from tests.conftest import (
     join_all,
     needs_fuse,
     tierfs_cmd,
+    tmpfs,
     write_random,
 )
 
@@ -503,15 +504,8 @@ def test_c28_tier_saves_backing_reads_with_bounded_staging(tiermount, tmp_path: 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A 64 MiB tmpfs at ``tmp_path/small`` (unmounted in ``finally``, lazily if still busy)."""
-    d = tmp_path / "small"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "64m") as d:
         yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
-        assert not is_mounted(d)
 
 
 def test_c29_tier_larger_than_its_filesystem_is_refused(small_tmpfs: Path, tmp_path: Path) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import needs_fuse, tierfs_cmd, write_random
+from tests.conftest import needs_fuse, tierfs_cmd, tmpfs, write_random
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 MiB = 1 << 20
@@ -42,13 +41,8 @@ def test_file_larger_than_write_tier_is_written_through(tiermount, tmp_path: Pat
 
 @pytest.fixture
 def small_backing(tmp_path: Path):  # type: ignore[no-untyped-def]
-    back = tmp_path / "back"
-    back.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(back)], check=True)
-    try:
+    with tmpfs(tmp_path / "back", "24m") as back:
         yield back
-    finally:
-        subprocess.run(["umount", "-l", str(back)], check=False)
 
 
 def test_enospc_only_when_backing_is_full(tiermount, small_backing: Path) -> None:

@@ -14,7 +14,8 @@ import sys
 import time
 from typing import Any
 
-from tierfs.config import Config, load_toml, resolve
+from tierfs import logevents
+from tierfs.config import Config, effective, load_toml, parse_mount_options, resolve
 from tierfs.errors import ConfigError, MountError, TierfsError
 from tierfs.units import format_size
 from tierfs_hints import wire
@@ -24,44 +25,44 @@ READY_TIMEOUT_S = 120  # loading a large SSD catalog can take a while
 
 
 def _mount_config(args: argparse.Namespace) -> Config:
+    """Layers, later ones winning: the config file, then flags, then ``-o`` options. Each value
+    remembers its source (``tierfs config --print``)."""
     layers: list[tuple[str, dict[str, Any]]] = []
     if args.config:
         layers.append((f"config file {args.config}", load_toml(args.config)))
     flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
              "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
              "write_tier": args.write_tier, "fsync": args.fsync,
-             "allow_other": True if args.allow_other else None}
-    for opt in args.option or []:
-        for item in opt.split(","):
-            k, sep, v = item.partition("=")
-            if not sep:
-                raise ConfigError(f"-o {item!r}: expected key=value")
-            flags[k.strip()] = v.strip()
-    layers.append(("command line", {k: v for k, v in flags.items() if v is not None}))
+             "allow_other": True if args.allow_other else None, "metrics_port": args.metrics_port}
+    layers += [(f"flag --{k.replace('_', '-')}", {k: v}) for k, v in flags.items() if v is not None]
+    layers += [("-o", parse_mount_options(opt)) for opt in args.option or []]
     cfg = resolve(layers)
-    cfg.backing = args.backing
-    cfg.mountpoint = args.mountpoint
+    backing, mountpoint = getattr(args, "backing", None), getattr(args, "mountpoint", None)
+    if mountpoint is None:  # `tierfs mount --config FILE MOUNTPOINT`: the file names the backing dir
+        backing, mountpoint = None, backing
+    cfg.backing = backing or cfg.backing
+    cfg.mountpoint = mountpoint or ""
     return cfg
 
 
 def _setup_logging(level: str, path: str | None) -> None:
-    handler: logging.Handler = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    logging.getLogger("pyfuse3").setLevel(logging.WARNING)
+    logevents.setup(level, path)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from tierfs import mount as mount_mod
 
     cfg = _mount_config(args)
+    if not cfg.mountpoint:
+        raise ConfigError("give MOUNTPOINT: tierfs mount BACKING MOUNTPOINT, or tierfs mount --config FILE MOUNTPOINT")
+    if not cfg.backing:
+        raise ConfigError("give BACKING, or backing = \"DIR\" in the --config file")
+    logevents.check_target(cfg.log_file)
     plan = mount_mod.plan_mount(cfg)
     if args.foreground or args.ready_fd is not None:
         return _run_daemon(plan, args.ready_fd)
     os.makedirs(plan.state_dir, exist_ok=True)
-    log_path = cfg.log_file or os.path.join(plan.state_dir, "daemon.log")
+    log_path = logevents.stdio_path(cfg.log_file, plan.state_dir)
     r, w = os.pipe()
     argv = [sys.executable, "-m", "tierfs", *args.raw_argv, "--ready-fd", str(w)]
     with open(log_path, "ab") as logf:
@@ -80,7 +81,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                 break
     text = msg.decode().strip()
     if text == "ok":
-        print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {log_path})")
+        where = cfg.log_file if logevents.is_syslog(cfg.log_file) else log_path
+        print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {where})")
         return 0
     if text.startswith("error:"):
         print(f"tierfs: {text[6:].strip()}", file=sys.stderr)
@@ -106,6 +108,8 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
         if said:
             return
         said = True
+        if message is None:  # systemd, Type=notify: the mount is up
+            logevents.sd_notify(f"READY=1\nSTATUS=serving {plan.backing} on {plan.mountpoint}")
         line = "ok\n" if message is None else f"error: {message}\n"
         if ready_fd is not None:
             os.write(ready_fd, line.encode())
@@ -315,7 +319,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     mnt = os.path.abspath(args.mountpoint)
     while True:
         doc = json.loads(_read_control(mnt, wire.STATS_FILE))
-        if args.json:
+        if args.prometheus:
+            from tierfs import metrics
+
+            print(metrics.render(doc), end="")
+        elif args.json:
             print(json.dumps(doc, indent=1))
         else:
             if args.watch:
@@ -490,23 +498,74 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0 if not missed else 1
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from tierfs.config import OPTION_BY_NAME, toml_value
+
+    cfg = _mount_config(args)
+    if args.toml:
+        print(f"# tierfs configuration (tierfs config --toml); {len(cfg.sources)} option(s) set, the rest default")
+        for key, _shown, source in effective(cfg):
+            line = f"{key} = {toml_value(OPTION_BY_NAME[key], getattr(cfg, key))}"
+            print(line if source != "default" else f"# {line}")
+        return 0
+    rows = effective(cfg)
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    for key, value, source in rows:
+        print(f"{key:{w0}}  {value:{w1}}  {source}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tierfs import doctor
+
+    return doctor.run(args.mountpoint)
+
+
+def cmd_install_helper(args: argparse.Namespace) -> int:
+    from tierfs import helper
+
+    bin_dir = None if args.no_bin else args.bin_dir
+    unit_dir = None if args.no_unit else args.unit_dir
+    if unit_dir is not None and args.unit_dir == "/etc/systemd/system" and not os.path.isdir(unit_dir):
+        unit_dir = None  # no systemd here
+    if args.uninstall:
+        for path in helper.uninstall(args.sbin_dir, bin_dir, unit_dir):
+            print(f"removed {path}")
+        return 0
+    try:
+        written = helper.install(args.sbin_dir, bin_dir, unit_dir, force=args.force)
+    except OSError as e:
+        raise MountError(f"install-helper: {e.filename}: {e.strerror} (run as root?)") from None
+    for path in written:
+        print(f"wrote {path}")
+    print(f"mount -t {helper.FSTYPE} BACKING MOUNTPOINT -o OPTIONS and /etc/fstab lines of type "
+          f"{helper.FSTYPE} now work; see docs/user-guide.md")
+    if unit_dir is not None:
+        print("systemd: systemctl daemon-reload, then systemctl enable --now tierfs@$(systemd-escape --path MOUNTPOINT)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierfs", description="Tiered FUSE filesystem for ML training.")
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("mount", help="mount BACKING on MOUNTPOINT (returns once ready)")
-    m.add_argument("backing")
-    m.add_argument("mountpoint")
-    m.add_argument("--ram", help="RAM tier size, e.g. 16GiB (default: auto, see docs); 0 = none")
-    m.add_argument("--ssd", help="SSD tier DIR[:SIZE] (persistent across mounts)")
-    m.add_argument("--chunk-size", help="unit of caching, e.g. 4MiB")
-    m.add_argument("--eviction", help="nothrash (default) or lru")
-    m.add_argument("--depth", help="backing-store requests in flight (default 1)")
-    m.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
-    m.add_argument("--fsync", help="tier (default: fsync = durable on the write tier) or backing")
-    m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
-    m.add_argument("--config", help="TOML file with the same options")
-    m.add_argument("-o", dest="option", action="append", help="key=value[,key=value] options")
-    m.add_argument("--log-level", help="debug, info, warning, error")
+    # the options of a mount (one schema: tierfs.config.OPTIONS), shared by `mount` and `config`
+    opts = argparse.ArgumentParser(add_help=False)
+    opts.add_argument("--ram", help="RAM tier size, e.g. 16GiB (default: auto, see docs); 0 = none")
+    opts.add_argument("--ssd", help="SSD tier DIR[:SIZE] (persistent across mounts)")
+    opts.add_argument("--chunk-size", help="unit of caching, e.g. 4MiB")
+    opts.add_argument("--eviction", help="nothrash (default) or lru")
+    opts.add_argument("--depth", help="backing-store requests in flight (default 1)")
+    opts.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
+    opts.add_argument("--fsync", help="tier (default: fsync = durable on the write tier) or backing")
+    opts.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    opts.add_argument("--config", help="TOML file with the same options")
+    opts.add_argument("-o", dest="option", action="append", help="key=value[,key=value] options")
+    opts.add_argument("--log-level", help="debug, info, warning, error")
+    opts.add_argument("--metrics-port", help="serve Prometheus metrics on this port (default 0: off)")
+    m = sub.add_parser("mount", parents=[opts], help="mount BACKING on MOUNTPOINT (returns once ready)")
+    m.add_argument("backing", nargs="?", help="backing directory (or backing = \"DIR\" in --config)")
+    m.add_argument("mountpoint", nargs="?", help="an empty directory")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
@@ -519,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="show tiers, hit rates and the scheduler")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the versioned JSON document")
+    s.add_argument("--prometheus", action="store_true", help="print the Prometheus text format")
     s.add_argument("--watch", type=float, nargs="?", const=2.0, help="refresh every N seconds (2)")
     s.set_defaults(func=cmd_stats)
     f = sub.add_parser("flush", help="wait until written files are durable on the backing store")
@@ -543,6 +603,22 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--trace", action="append", help="trace to run (repeatable; default: all)")
     sm.add_argument("--json", action="store_true", help="per trace and policy: hit_ratio, backing_bytes, ...")
     sm.set_defaults(func=cmd_sim)
+    c = sub.add_parser("config", parents=[opts], help="show the effective configuration and where each value came from")
+    c.add_argument("--print", action="store_true", help="print it (the default)")
+    c.add_argument("--toml", action="store_true", help="print it as a TOML config file")
+    c.set_defaults(func=cmd_config)
+    d = sub.add_parser("doctor", help="check a mount: alive, tiers, journal, readahead; explain each problem")
+    d.add_argument("mountpoint")
+    d.set_defaults(func=cmd_doctor)
+    i = sub.add_parser("install-helper", help="install the mount(8) helper, the tierfs command and the systemd unit")
+    i.add_argument("--sbin-dir", default="/sbin", help="where mount(8) looks for helpers (/sbin)")
+    i.add_argument("--bin-dir", default="/usr/local/bin", help="where to put the tierfs command (/usr/local/bin)")
+    i.add_argument("--unit-dir", default="/etc/systemd/system", help="where to put tierfs@.service (/etc/systemd/system)")
+    i.add_argument("--no-bin", action="store_true", help="do not install the tierfs command")
+    i.add_argument("--no-unit", action="store_true", help="do not install the systemd unit")
+    i.add_argument("--force", action="store_true", help="overwrite files install-helper did not write")
+    i.add_argument("--uninstall", action="store_true", help="remove what install-helper wrote")
+    i.set_defaults(func=cmd_install_helper)
     return p
 
 
@@ -551,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.raw_argv = [a for a in argv]
+    # warnings of the command itself (a dead mount cleaned up) read like its other messages;
+    # the daemon replaces this with its own log target
+    logging.basicConfig(format="tierfs: %(message)s", level=logging.WARNING)
     try:
         return int(args.func(args))
     except (ConfigError, MountError) as e:
@@ -558,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tierfs stats --json | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def entry() -> None:

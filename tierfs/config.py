@@ -7,6 +7,7 @@ naming the key and what is allowed. :func:`resolve` records where each effective
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,7 @@ def _int_range(lo: int, hi: int) -> Callable[[Any, str], int]:
             raise ConfigError(f"{key}: expected a whole number {lo}..{hi}, got {v!r}")
         return n
 
+    parse.kind = f"whole number {lo}..{hi}"  # type: ignore[attr-defined]
     return parse
 
 
@@ -80,6 +82,7 @@ def _choice(*allowed: str) -> Callable[[Any, str], str]:
             raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {v!r}")
         return str(v).lower()
 
+    parse.kind = "one of " + ", ".join(allowed)  # type: ignore[attr-defined]
     return parse
 
 
@@ -132,7 +135,15 @@ OPTIONS: tuple[Option, ...] = (
            "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
     Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "daemon log level"),
-    Option("log_file", _str, "", "daemon log file (default: /run/tierfs/<mount id>/daemon.log; stderr in the foreground)"),
+    Option("log_file", _str, "", "where the daemon logs: a file; 'syslog' (/dev/log, which journald "
+           "also serves) or 'syslog:SOCKET'; 'stderr'. Default: /run/tierfs/<mount id>/daemon.log "
+           "in the background, stderr (the journal under systemd) in the foreground"),
+    Option("metrics_port", _int_range(0, 65535), 0, "TCP port of the Prometheus metrics endpoint "
+           "(http://ADDR:PORT/metrics); 0 = off"),
+    Option("metrics_addr", _str, "127.0.0.1", "address the metrics endpoint listens on "
+           "(loopback by default; 0.0.0.0 = every interface)"),
+    Option("backing", _str, "", "backing directory; the BACKING argument of tierfs mount wins over "
+           "it. In a config file it lets a systemd unit or fstab line name only the config file"),
 )
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -160,6 +171,8 @@ class Config:
     attr_timeout: float = 1.0
     log_level: str = "info"
     log_file: str = ""
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -185,12 +198,17 @@ def resolve(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> Config:
         for key, raw in values.items():
             if raw is None:
                 continue
-            name = key.replace("-", "_")
+            name = str(key).replace("-", "_")
             opt = OPTION_BY_NAME.get(name)
             if opt is None:
                 allowed = ", ".join(o.name for o in OPTIONS)
-                raise ConfigError(f"unknown option {key!r} ({source}); allowed: {allowed}")
-            setattr(cfg, name, opt.parse(raw, key))
+                near = difflib.get_close_matches(name, OPTION_BY_NAME, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise ConfigError(f"unknown option {key!r} ({source}); {hint}allowed: {allowed}")
+            try:
+                setattr(cfg, name, opt.parse(raw, name))
+            except ConfigError as e:
+                raise ConfigError(f"{e} ({source})") from None
             cfg.sources[name] = source
     if cfg.slice_size < cfg.chunk_size:
         raise ConfigError(f"slice_size ({cfg.slice_size}) must be at least chunk_size ({cfg.chunk_size})")
@@ -222,3 +240,86 @@ def default_ram_size(ram_dir: str) -> int:
 def default_ssd_size(ssd_dir: str) -> int:
     """50% of the free space of ``ssd_dir``'s filesystem, rounded down to 64 MiB."""
     return max(64 * MiB, fs_free(ssd_dir) // 2 // (64 * MiB) * (64 * MiB))
+
+
+# -- the schema described: `tierfs config --print`, docs/reference.md, mount/tierfs.example.toml --
+_KINDS: dict[Callable[[Any, str], Any], str] = {
+    _size: "size in bytes (16GiB, 512M, 4096)",
+    _positive_size: "size in bytes (16GiB, 512M, 4096), > 0",
+    _chunk_size: "size in bytes, a multiple of 4KiB, at most 256MiB",
+    _ram: "size in bytes, 0 (no RAM tier) or auto",
+    _ssd: "DIR or DIR:SIZE",
+    _duration: "seconds (30, 2.5s, 250ms, 10m)",
+    _bool: "true or false",
+    _str: "text",
+}
+
+
+def describe(opt: Option) -> str:
+    """The values ``opt`` accepts, with their unit (``"size in bytes (16GiB, ...)"``)."""
+    return _KINDS.get(opt.parse) or str(getattr(opt.parse, "kind", "text"))
+
+
+def _compact_size(n: int) -> str:
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def format_value(opt: Option, value: Any) -> str:
+    """``value`` of ``opt`` as a user writes it (``4MiB``, ``120s``, ``auto``)."""
+    if opt.parse is _ram and value is None:
+        return "auto"
+    if opt.parse is _ssd:
+        if value is None:
+            return "none"
+        path, size = value
+        return path if size is None else f"{path}:{_compact_size(size)}"
+    if opt.parse in (_size, _positive_size, _chunk_size, _ram):
+        return _compact_size(int(value))
+    if opt.parse is _duration:
+        return f"{value:g}s"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if value != "" else '""'
+
+
+def toml_value(opt: Option, value: Any) -> str:
+    """``value`` of ``opt`` as a TOML value (``"4MiB"``, ``120``, ``true``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if opt.parse is _duration:
+        return f"{value:g}"
+    if isinstance(value, int) and opt.parse not in (_size, _positive_size, _chunk_size, _ram):
+        return str(value)
+    text = format_value(opt, value)
+    return '""' if text == '""' else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def parse_mount_options(text: str, source: str = "-o") -> dict[str, str]:
+    """``-o`` option text (``ram=16GiB,ssd=/nvme/c:400GiB,allow_other``) as a dict. A bare
+    boolean key means true. Keys are checked later, by :func:`resolve`.
+
+    Raises:
+        ConfigError: a bare key that needs a value (naming the key and what it takes).
+    """
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        opt = OPTION_BY_NAME.get(k.replace("-", "_"))
+        if not sep and opt is not None and opt.parse is not _bool:
+            raise ConfigError(f"{source} {item!r}: expected {k}=VALUE ({describe(opt)})")
+        out[k] = v.strip() if sep else "true"
+    return out
+
+
+def effective(cfg: Config) -> list[tuple[str, str, str]]:
+    """Every option's effective value and where it came from: ``(key, value, source)``; the
+    source is ``default`` or the layer name given to :func:`resolve`."""
+    return [(o.name, format_value(o, getattr(cfg, o.name)), cfg.sources.get(o.name, "default"))
+            for o in OPTIONS]

@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 import xxhash
 
-from tierfs import io
+from tierfs import io, logevents
 from tierfs import stats as stats_mod
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
@@ -76,14 +76,20 @@ def state_dir_for(mountpoint: str) -> str:
     return os.path.join(base, mount_id(mountpoint))
 
 
-def is_mounted(path: str) -> bool:
+def mount_entry(path: str) -> tuple[str, str] | None:
+    """(source, fstype) of what is mounted on ``path`` (the one on top), or None."""
     real = os.path.realpath(path)
+    found = None
     with open("/proc/self/mounts") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 1 and fields[1].encode().decode("unicode_escape") == real:
-                return True
-    return False
+            if len(fields) > 2 and fields[1].encode().decode("unicode_escape") == real:
+                found = (fields[0].encode().decode("unicode_escape"), fields[2])
+    return found
+
+
+def is_mounted(path: str) -> bool:
+    return mount_entry(path) is not None
 
 
 def unmount(path: str, *, lazy: bool = False) -> bool:
@@ -120,8 +126,11 @@ def check_mountpoint(mountpoint: str) -> None:
     A dead FUSE mount ("Transport endpoint is not connected") is cleaned up first."""
     try:
         st = os.stat(mountpoint)
+        # the kernel answers stat from its attribute cache for attr_timeout, even after the
+        # daemon died; statvfs always asks the daemon, so a dead one shows here
+        os.statvfs(mountpoint)
     except OSError as e:
-        if e.errno == errno.ENOTCONN:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
             log.warning("%s: stale FUSE mount of a dead daemon; unmounting it", mountpoint)
             if not unmount(mountpoint, lazy=True):
                 raise MountError(f"mountpoint {mountpoint} has a dead FUSE mount that could not be unmounted") from None
@@ -324,16 +333,19 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             reply = {"ok": False, "error": str(e)}
         return json.dumps(reply).encode() + b"\n"
 
-    def render_stats() -> bytes:
+    def stats_doc() -> dict:
         doc = stats_mod.build(cache=cache, scheduler=scheduler, writeback=writeback, started=started,
-                              backing=plan.backing, mountpoint=plan.mountpoint,
-                              chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
-                              inodes=len(inodes),
-                              fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
-                              fuse_writes=(ops.writes, ops.write_bytes),
-                              devices=[*devices, backing_dev, meta, dirty_data_dev])
+                               backing=plan.backing, mountpoint=plan.mountpoint,
+                               chunk_size=cfg.chunk_size, open_files=len(ops.open_files),
+                               inodes=len(inodes),
+                               fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
+                               fuse_writes=(ops.writes, ops.write_bytes),
+                               devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["hints"] = hints.statistics()
-        return json.dumps(doc, indent=1).encode() + b"\n"
+        return doc
+
+    def render_stats() -> bytes:
+        return json.dumps(stats_doc(), indent=1).encode() + b"\n"
 
     def render_config() -> bytes:
         d = asdict(cfg)
@@ -346,7 +358,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                      readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                      control=control, meta=meta, attr_timeout=cfg.attr_timeout,
                      on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
-    options = {"fsname=tierfs", "subtype=tierfs", "default_permissions", "noatime"}
+    # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
+    fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
+    options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
     if cfg.allow_other:
         options.add("allow_other")
     try:
@@ -354,7 +368,13 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     except RuntimeError as e:
         raise MountError(f"FUSE mount of {plan.mountpoint} failed: {e}") from None
     unmounted_cleanly = False
+    exporter = None
     try:
+        if cfg.metrics_port:
+            from tierfs.metrics import Exporter
+
+            exporter = Exporter(cfg.metrics_addr, cfg.metrics_port, stats_doc)
+            log.info("metrics on http://%s:%d/metrics", *exporter.address[:2])
         async with trio.open_nursery() as nursery:
             cache.attach(nursery)
             ops.nursery = nursery
@@ -379,6 +399,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
             nursery.start_soon(fuse_main)
             nursery.start_soon(on_signal)
+            nursery.start_soon(logevents.watch, writeback.statistics, log)
             if cfg.read_ahead_kb:
                 try:
                     bdi = await trio.to_thread.run_sync(_set_kernel_readahead, plan.mountpoint, cfg.read_ahead_kb)
@@ -390,6 +411,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             ready(None)
         unmounted_cleanly = True
     finally:
+        if exporter is not None:
+            exporter.close()
         try:
             pyfuse3.close(unmount=True)
         except Exception as e:  # noqa: BLE001 - teardown must go on

@@ -23,6 +23,7 @@ Completed chunks are handed to ``on_fetched`` (the cache stages them) before wai
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -30,10 +31,12 @@ from dataclasses import dataclass, field
 
 import trio
 
+from tierfs import logevents
 from tierfs.errors import BackingIOError
 from tierfs.sched.backing import BackingFile
 
 ChunkId = tuple[str, int]
+log = logging.getLogger("tierfs.sched")
 
 
 class Klass(enum.IntEnum):
@@ -379,6 +382,9 @@ class TransactionScheduler:
         finally:
             self._busy += trio.current_time() - t0
             slots.release()
+        if error is not None:
+            logevents.event(log, logging.WARNING, "backing-read-error",
+                            "backing store read failed, the readers get an error: %s", error)
         if data is not None:
             self._bytes += len(data)
             self._reads += 1

@@ -35,6 +35,7 @@ from typing import cast
 
 import trio
 
+from tierfs import logevents
 from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import BackingIOError, TierfsError
 from tierfs.io import Device, pread_exact, pwrite_all, sync_range
@@ -71,6 +72,7 @@ class DirtyFile:
     state: DirtyState = DirtyState.DIRTY
     since: float = field(default_factory=time.monotonic)
     deadline: float = math.inf
+    due: float = math.inf  # writeback_deadline after the last writer closed (a flush moves ``deadline``, not this)
     through: bool = False
     in_place: bool = False  # hard-linked on the backing store: written back into its inode
     dir_times: tuple[tuple[int, int], int] | None = None  # dir times around a write-through's start
@@ -154,6 +156,7 @@ class WriteBackStats:
     failures: int
     next_deadline_s: float | None
     write_tier: str
+    late_files: int = 0  # closed files still dirty past their writeback_deadline
 
 
 # -- blocking helpers (device threads) ---------------------------------------------------------
@@ -448,8 +451,10 @@ class WriteBack:
         tmp_rel = self._tmp_name(df)
         tmp_abs = self.root + b"/" + tmp_rel
         self.journal.set_tmp(df.id, tmp_rel, through=True)
-        log.info("write tier %s full: writing %s through to the backing store", self.tier.name,
-                 os.fsdecode(df.path))
+        logevents.event(log, logging.WARNING, "write-tier-full",
+                        "write tier %s full: writing %s through to the backing store "
+                        "(checkpoint larger than the tier's free space?)", self.tier.name,
+                        os.fsdecode(df.path))
         opened = await self.sched.io(partial(_open_tmp, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC),
                                      Klass.DEMAND, nbytes=0)
         out, df.dir_times = cast("tuple[int, DirTimes]", opened)
@@ -571,7 +576,7 @@ class WriteBack:
         if writer:
             df.writers -= 1
             if df.writers == 0 and df.path is not None:
-                df.deadline = trio.current_time() + self.deadline_s
+                df.deadline = df.due = trio.current_time() + self.deadline_s
                 self._wake.set()
         if df.handles == 0 and df.path is None and df.keep == 0:
             await self._discard(df)
@@ -710,8 +715,9 @@ class WriteBack:
             df.error = str(e)
             df.retry_at = trio.current_time() + RETRY_S
             df.state = DirtyState.DIRTY
-            log.warning("write-back of %s failed (retrying in %.0fs): %s",
-                        os.fsdecode(df.path or b"?"), RETRY_S, e)
+            logevents.event(log, logging.WARNING, "writeback-failed",
+                            "write-back of %s failed (retrying in %.0fs): %s",
+                            os.fsdecode(df.path or b"?"), RETRY_S, e)
             self._notify(df, math.inf)
         else:
             self._finish_success(df, gen, st)  # type: ignore[arg-type]
@@ -834,8 +840,9 @@ class WriteBack:
                 continue
             fd = await self.device.run(os.open, data_path, os.O_RDWR | os.O_CLOEXEC)
             size = os.fstat(fd).st_size
+            due = trio.current_time() + self.deadline_s
             df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
-                           deadline=trio.current_time() + self.deadline_s, in_place=row.in_place)
+                           deadline=due, due=due, in_place=row.in_place)
             self.tier.dirty += blocks(size)
             df.accounted = blocks(size)
             self.files[row.id] = df
@@ -845,8 +852,6 @@ class WriteBack:
         for name in os.listdir(self.dirty_dir):
             if name.isdigit() and int(name) not in self.files:
                 _unlink_quiet(os.path.join(self.dirty_dir, name))
-        if n:
-            log.info("recovery: %d dirty files queued for write-back", n)
         self._wake.set()
         return n
 
@@ -879,6 +884,7 @@ class WriteBack:
             failures=self.failures,
             next_deadline_s=(min(deadlines) - now_t) if deadlines else None,
             write_tier=self.tier.name,
+            late_files=sum(df.writers == 0 and df.due < now_t for df in dirty),
         )
 
 

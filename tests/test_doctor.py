@@ -1,0 +1,116 @@
+"""`tierfs doctor MOUNTPOINT`: exit 0 on a healthy mount; otherwise exit 1 and an explanation
+of each problem with what to do."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_fuse, tierfs_cmd, write_random
+
+pytestmark = [needs_fuse, pytest.mark.fuse]
+MiB = 1 << 20
+
+
+def doctor(mnt: Path) -> tuple[int, dict[str, list[str]]]:
+    """Exit code and {check: ["LEVEL message", ...]} of `tierfs doctor`."""
+    r = tierfs_cmd("doctor", str(mnt), check=False, timeout=60)
+    lines = r.stdout.splitlines()
+    found: dict[str, list[str]] = {}
+    last: list[str] = []
+    for line in lines[:-1]:
+        if line.startswith(" "):  # a continuation (log lines of a dead daemon)
+            last[-1] += "\n" + line
+            continue
+        level, rest = line.split(None, 1)
+        check, message = rest.split("  ", 1)
+        last = found.setdefault(check, [])
+        last.append(f"{level} {message.strip()}")
+    problems = sum(x.startswith("PROBLEM") for v in found.values() for x in v)
+    assert lines[-1] == (f"{problems} problem(s)" if problems else "healthy"), r.stdout
+    assert r.returncode == (1 if problems else 0), r.stdout
+    return r.returncode, found
+
+
+def test_healthy_mount(tiermount, tmp_path: Path) -> None:
+    write_random(tmp_path / "back" / "f", 5 * MiB)
+    m = tiermount(ram="32MiB", ssd="64MiB")
+    (m.mnt / "f").read_bytes()
+    (m.mnt / "w").write_bytes(b"w" * 1000)
+    rc, found = doctor(m.mnt)
+    assert rc == 0
+    assert set(found) == {"mount", "tier ram", "tier ssd", "journal", "readahead", "backing", "write-back"}
+    assert all(v[0].startswith("ok") for v in found.values()), found
+    assert any(str(m.pid) in x for x in found["mount"])
+
+
+def test_lowered_readahead_is_a_problem_with_its_fix(tiermount) -> None:
+    m = tiermount(ram="16MiB")
+    st = os.stat(m.mnt)
+    bdi = Path(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
+    assert bdi.read_text().strip() == "1024"  # raised by the daemon at mount
+    bdi.write_text("128")
+    rc, found = doctor(m.mnt)
+    assert rc == 1
+    [msg] = found["readahead"]
+    assert msg.startswith("PROBLEM") and "128 KiB" in msg and f"echo 1024 > {bdi}" in msg
+    assert all(v[0].startswith("ok") for k, v in found.items() if k != "readahead")
+
+
+def test_dead_daemon_is_explained(tiermount) -> None:
+    m = tiermount(ram="16MiB")
+    fd = os.open(m.mnt / "unsaved", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"u" * 1000)  # open for writing: journaled, not written back yet
+    m.kill9()
+    with pytest.raises(OSError):
+        os.close(fd)
+    rc, found = doctor(m.mnt)
+    assert rc == 1
+    [msg] = found["mount"]
+    assert "dead" in msg and "tierfs mount" in msg and "daemon.log" in msg
+    assert "1 written file(s) wait in the RAM write tier" in found["journal"][0]
+    m.start()  # as the doctor says: mounting again works and writes the file back
+    assert (m.mnt / "unsaved").read_bytes() == b"u" * 1000
+    assert doctor(m.mnt)[0] == 0
+
+
+def test_journaled_file_without_data_is_a_problem(tiermount) -> None:
+    m = tiermount(ram="16MiB")
+    fds = []
+    for name in ("a", "b"):  # open for writing: both stay dirty
+        fds.append(os.open(m.mnt / name, os.O_WRONLY | os.O_CREAT, 0o644))
+        os.write(fds[-1], name.encode() * 1000)
+    try:
+        ram = next(t for t in m.stats()["tiers"] if t["name"] == "ram")
+        dirty = sorted(Path(ram["path"], "dirty").iterdir())
+        assert len(dirty) == 2
+        dirty[0].unlink()  # removed from outside (the daemon still holds it open)
+        rc, found = doctor(m.mnt)
+        assert rc == 1
+        [msg] = found["journal"]
+        assert msg.startswith("PROBLEM") and "1 journaled file(s) lost their data" in msg
+        assert msg.endswith("older versions") and ": a." in msg
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_nothing_mounted(tmp_path: Path) -> None:
+    rc, found = doctor(tmp_path)
+    assert rc == 1
+    assert "nothing is mounted" in found["mount"][0]
+
+
+def test_mount_again_right_after_a_crash(tiermount) -> None:
+    """The user guide's crash drill, at full speed: the kernel still holds the root's attributes
+    (for attr_timeout; 60 s here to make the window certain) when the new mount checks the
+    mountpoint, so a stat of it still works and the dead mount looked like a live one ("already
+    mounted"). A statvfs is never answered from the cache."""
+    m = tiermount(ram="16MiB", extra=("-o", "attr_timeout=60"))
+    os.stat(m.mnt)
+    m.kill9()
+    os.stat(m.mnt)  # cached: no ENOTCONN
+    m.start()
+    assert doctor(m.mnt)[0] == 0
