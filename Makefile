@@ -39,8 +39,14 @@ install: setup
 uninstall:
 	$(VPY) -m tierfs install-helper --uninstall
 
+# the benchmarks of docs/benchmarks.md (each prints its table; root and a few minutes each)
 bench: setup
-	$(VPY) -m tierfs bench
+	$(VPY) -m tierfs sim
+	$(VPY) bench/bench_read.py
+	$(VPY) bench/bench_hdd.py
+	$(VPY) bench/bench_checkpoint.py
+	$(VPY) bench/bench_collate.py
+	$(VPY) bench/bench_fuse_ceiling.py
 
 lint: setup
 	$(VENV)/bin/ruff check tierfs tierfs_hints tests examples

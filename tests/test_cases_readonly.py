@@ -1,9 +1,9 @@
-"""Failure recipes from real users (``shared/cases/README.md``), the parts that apply to a
-READ-ONLY mount, scaled down to run in seconds.
+"""Failure recipes from real users (``shared/cases/README.md``), their READ parts, scaled down
+to run in seconds.
 
-tierfs is read-only for now, so every data set is created in the backing directory before the
-mount instead of being written through it, and the recipes' write steps (``'r+'``/``'w+'`` maps,
-``torch.save`` writers, checkpoints, fsync) are out of scope; each test says which steps it
+Every data set here is created in the backing directory before the mount (as a training data
+set is); the recipes' write steps (``'r+'``/``'w+'`` maps, ``torch.save`` writers, checkpoints,
+fsync) are tested through the mount in ``test_cases_write.py``; each test says which steps it
 covers. "Passes" is the recipes' definition: no exception or signal, bytes equal to the ones on
 local disk, done within a timeout.
 """
