@@ -431,6 +431,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if self.wb.has_children(path):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+            await self.wb.settle_dir(path)
             await self.meta.run(_rmdir_with_orphans, self.inodes.abs(path))
             self.inodes.detach(path)
 

@@ -291,6 +291,7 @@ class WriteBack:
         os.makedirs(self.dirty_dir, exist_ok=True)
         self.files: dict[int, DirtyFile] = {}
         self.by_path: dict[bytes, DirtyFile] = {}
+        self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
         self._wake = trio.Event()
         self.written_files = 0
         self.written_bytes = 0
@@ -310,6 +311,13 @@ class WriteBack:
             if p.startswith(prefix) and b"/" not in p[len(prefix):]:
                 out.append((p[len(prefix):], df))
         return out
+
+    async def settle_dir(self, dir_path: bytes) -> None:
+        """Wait until no write-back has a temporary file in ``dir_path`` (rmdir of a directory
+        whose last file was unlinked while being written back: that write-back stops at its
+        next slice and removes its temporary file; until then the backing dir is not empty)."""
+        for ev in list(self._writing_in.get(dir_path, [])):
+            await ev.wait()
 
     def has_children(self, dir_path: bytes) -> bool:
         prefix = dir_path + b"/"
@@ -663,6 +671,8 @@ class WriteBack:
         df.state = DirtyState.WRITING
         t0 = time.monotonic()
         tmp_abs: bytes | None = None
+        settled: trio.Event | None = None
+        tmp_dir = b""
         try:
             if df.durable_gen >= gen and not df.through:
                 # Written back while still open (a flush); closed since, unchanged: it is
@@ -685,6 +695,9 @@ class WriteBack:
             else:
                 tmp_rel = self._tmp_name(df)
                 tmp_abs = self.root + b"/" + tmp_rel
+                tmp_dir = tmp_rel.rpartition(b"/")[0]
+                settled = trio.Event()
+                self._writing_in.setdefault(tmp_dir, []).append(settled)
                 self.journal.set_tmp(df.id, tmp_rel)
                 opened = await self._io(df, partial(_open_tmp, tmp_abs,
                                                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC), 0)
@@ -729,6 +742,13 @@ class WriteBack:
                 except (OSError, TierfsError):
                     pass
                 self.journal.set_tmp(df.id, None)
+            if settled is not None:
+                waiting = self._writing_in.get(tmp_dir, [])
+                if settled in waiting:
+                    waiting.remove(settled)
+                if not waiting:
+                    self._writing_in.pop(tmp_dir, None)
+                settled.set()
 
     async def _copy_slices(self, df: DirtyFile, gen: int, out: int) -> None:
         """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
