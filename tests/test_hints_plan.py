@@ -264,3 +264,4 @@ def test_warmup_by_accepts_seconds_durations_and_clock_times() -> None:
     for bad in ("soon", "-5", "25:00", "nan", "10x", ""):
         with pytest.raises(ConfigError):
             parse_by(bad)
+

@@ -142,6 +142,20 @@ def _read_control(mountpoint: str, name: str) -> bytes:
         raise MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})") from None
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie whose parent has not reaped it yet has
+    exited: ``kill(pid, 0)`` alone would wait the full timeout for it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from tierfs import mount as mount_mod
 
@@ -168,9 +182,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         return 0
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):
             return 0
         time.sleep(0.05)
     print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
