@@ -335,16 +335,29 @@ class Cache:
         """Resident, or queued / in flight at the scheduler."""
         return self.is_resident(cid) or self.scheduler.lookup(cid) is not None
 
-    def can_admit(self, cid: ChunkId, length: int) -> bool:
+    def can_admit(self, cid: ChunkId, length: int, ahead: int = 0) -> bool:
         """Would a tier take ``cid`` now (room, or a victim the policy lets it replace)?
-        What the prefetcher asks before fetching a planned chunk."""
+        What the prefetcher asks before fetching a planned chunk.
+
+        ``ahead``: bytes of chunks the prefetcher has already queued and not yet placed (needed
+        sooner than ``cid``). They take the free room and the first victims when they arrive,
+        so ``cid`` is weighed against what is left: without this, every chunk queued in one
+        round was checked against the same room or the same victim, and the ones no tier took
+        on arrival were fetched for nothing."""
         need = blocks(length)
         for t, tier in enumerate(self.tiers):
-            if tier.cache_room() >= need:
+            room = tier.cache_room() - ahead
+            if room >= need:
                 return True
-            victim = next(self.residency[t].victims(self._unmovable), None)
-            if victim is not None and self.policy.admits(self.policy.freq.get(cid), victim, cid):
-                return True
+            skip = -room  # bytes of victims the chunks ahead take first (<= 0: none)
+            for victim in self.residency[t].victims(self._unmovable):
+                if skip > 0:
+                    entry = self.catalog.get(victim)
+                    skip -= blocks(entry.length) if entry is not None else need
+                    continue
+                if self.policy.admits(self.policy.freq.get(cid), victim, cid):
+                    return True
+                break
         return False
 
     async def evict_chunks(self, cids: list[ChunkId]) -> tuple[int, int]:
