@@ -270,6 +270,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
         computed = 0.0
         access: dict[str, AccessState] = {}
         ra_state: dict[str, ReadaheadState] = {}
+        prev: BackingFile | None = None
         for step in j.steps:
             if isinstance(step, Hint):
                 if hints is not None:
@@ -280,6 +281,9 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
                                             "paths": step.files, "source": j.name})
                 continue
             f = files[step.file]
+            if prev is not None and prev is not f:  # the job closes a file when it moves on
+                cache.forget_access(access[prev.key])
+            prev = f
             cid = (f.key, step.chunk)
             hit = cache.is_resident(cid)
             total += 1
