@@ -32,8 +32,8 @@ Optional parts (off by default):
   announces the shards in the order the DataLoader reads them (the workers' lists interleaved)
   followed by the next epoch's order (``--hints-lookahead``; the order is a function of
   ``--seed`` and the epoch), with ``tierfs_hints.epoch``; and each eval pass, once it is
-  estimated to start within ``--eval-lead`` seconds, with ``tierfs_hints.phase("eval", at=...,
-  needs=eval_shards)``. What is read, in which order, and the model are the same with and
+  estimated to start within ``--eval-lead`` seconds, with ``tierfs_hints.phase("eval0" or
+  "eval1", at=..., needs=eval_shards)`` (see :class:`Evaluator`). What is read, in which order, and the model are the same with and
   without it. ``--hints-source workers`` has each DataLoader worker announce its own list
   instead, under its own source.
 
@@ -310,10 +310,16 @@ def residency_probe(paths: list[Path]) -> Callable[[], int] | None:
 class Evaluator:
     """An eval pass over held-out shards every ``every`` training steps (global, across epochs).
 
-    With ``hints``, the coming pass is announced with ``tierfs_hints.phase("eval", at=...,
-    needs=shards)`` once the estimated time until it (steps to go x a moving average of the step
-    time) is at most ``lead_s`` seconds. The pass reads its shards through a DataLoader like
-    training does (same batch size and collation, ``min(workers, shards)`` workers, no
+    With ``hints``, each pass is announced with ``tierfs_hints.phase(name, at=..., needs=shards)``
+    once the estimated time until it (steps to go x a moving average of the step time, plus the
+    last pass's duration when announced from the pass before) is at most ``lead_s`` seconds.
+    When the next pass is that close, it is announced at the start of the current one, before
+    the current one reads: the eval shards then always have a declared next use, and tierfs
+    keeps them instead of evicting them as each pass reads them and fetching them again for the
+    next. The names alternate (``eval0``, ``eval1``): a phase replaces the earlier one of the
+    same name, and the current pass's must stay. The next pass's deadline is put after the
+    current pass's declared one (a read counts for the need with the earliest deadline). The pass reads its shards through a DataLoader
+    like training does (same batch size and collation, ``min(workers, shards)`` workers, no
     shuffling) and is timed the same way; its time is left out of the epoch's figures.
     """
 
@@ -333,12 +339,22 @@ class Evaluator:
         self.step = 0
         self.step_s: float | None = None  # moving average of the training step time
         self.last: float | None = None
-        self.handle: Any = None
-        self.announced: tuple[float, float] | None = None  # (perf_counter, at_s)
+        self.last_pass_s = 0.0
+        # pass number (1, 2, ...) -> (handle, perf_counter when announced, the `at` given)
+        self.announced: dict[int, tuple[Any, float, float]] = {}
         self.results: list[EvalStats] = []
 
     def start_epoch(self) -> None:
         self.last = None  # the first step of an epoch includes starting the workers
+
+    def _announce(self, k: int, eta: float) -> None:
+        """Announce pass ``k`` (1-based) if ``eta`` (seconds until it) is within the lead."""
+        if not self.hints or k in self.announced or eta > self.lead_s:
+            return
+        import tierfs_hints
+
+        h = tierfs_hints.phase(f"eval{k % 2}", at=eta, needs=self.shards)
+        self.announced[k] = (h, time.perf_counter(), eta)
 
     def after_step(self, model: ByteGRU, epoch: int) -> float:
         """Call after every training step; runs the eval when it is due. Returns the seconds
@@ -353,13 +369,8 @@ class Evaluator:
             spent = self.run(model, epoch)
             self.last = time.perf_counter()
             return spent
-        if self.hints and self.announced is None and self.step_s is not None:
-            eta = (self.every - self.step % self.every) * self.step_s
-            if eta <= self.lead_s:
-                import tierfs_hints
-
-                self.handle = tierfs_hints.phase("eval", at=eta, needs=self.shards)
-                self.announced = (time.perf_counter(), eta)
+        if self.step_s is not None:
+            self._announce(self.step // self.every + 1, (self.every - self.step % self.every) * self.step_s)
         return 0.0
 
     @torch.no_grad()
@@ -367,8 +378,16 @@ class Evaluator:
         t_in = time.perf_counter()
         if self.evict_page_cache:  # as for the epochs: the mount's page cache would serve it
             evict_page_cache(self.shards)
+        k = self.step // self.every  # this pass
         res = self.resident() if self.resident is not None else None
-        prog = self.handle.progress() if self.handle is not None else None
+        mine = self.announced.pop(k, None)
+        prog = mine[0].progress() if mine is not None else None
+        if mine is not None and self.step_s is not None:  # the next pass, before this one reads
+            # A read counts for the need with the earliest deadline that has it: the next pass's
+            # deadline must come after this one's (an estimate made earlier, maybe still ahead),
+            # or this pass's reads would count as the next one's.
+            this_deadline = mine[1] + mine[2] - time.perf_counter()
+            self._announce(k + 1, max(self.every * self.step_s, this_deadline + 1.0) + self.last_pass_s)
         t0 = time.perf_counter()
         model.eval()
         it = iter(self.loader)
@@ -400,14 +419,13 @@ class Evaluator:
             bytes=self.bytes, resident_bytes=res,
             resident_fraction=None if res is None else (res / self.bytes if self.bytes else 1.0),
             deadline_met=None if res is None else res >= self.bytes)
-        if self.announced is not None:
-            st.announced_lead_s = t0 - self.announced[0]
-            st.announced_at_s = self.announced[1]
-        if prog is not None:
+        if mine is not None and prog is not None:
+            st.announced_lead_s = t0 - mine[1]
+            st.announced_at_s = mine[2]
             st.hint_done, st.hint_missed = prog.done, prog.missed
             st.hint_deadline_in_s = prog.deadline_in_s
         self.results.append(st)
-        self.handle = self.announced = None  # the next pass is announced at its own lead time
+        self.last_pass_s = time.perf_counter() - t_in
         ready = "-" if st.resident_fraction is None else f"{st.resident_fraction:.0%}"
         print(f"  eval after step {self.step} (epoch {epoch}): {samples} samples in {wall:.1f} s, "
               f"data wait {wait:.2f} s (first batch {first_batch:.2f} s), eval data resident at "
@@ -519,8 +537,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="shards of --data held out for eval when --eval-every is given without "
                         "--eval-shards, default 2")
     p.add_argument("--eval-lead", type=float, default=30.0,
-                   help="with --hints: announce each eval (tierfs_hints.phase) when it is "
-                        "estimated to start within this many seconds, default 30")
+                   help="with --hints: announce each eval pass (tierfs_hints.phase) once it is "
+                        "estimated to start within this many seconds (from the start of the "
+                        "pass before, if that is close enough), default 30")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = p.parse_args(argv)
 
