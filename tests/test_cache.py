@@ -71,10 +71,12 @@ async def settle(cache: Cache) -> None:
 
 
 async def read_whole(cache: Cache, f: BackingFile) -> bytes:
+    """Open, read in pieces, close."""
     access = AccessState()
     out = bytearray()
     for off in range(0, f.size, 32 * 1024):  # the kernel reads in pieces
         out += await cache.read(f, off, 32 * 1024, access)
+    cache.forget_access(access)  # the handle's release
     return bytes(out)
 
 

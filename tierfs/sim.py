@@ -273,6 +273,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
         computed = 0.0
         access: dict[str, AccessState] = {}
         ra_state: dict[str, ReadaheadState] = {}
+        prev: BackingFile | None = None
         for step in j.steps:
             if isinstance(step, Hint):
                 if hints is not None and hinted:
@@ -285,6 +286,9 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
             f = files[step.file]
             if hints is not None and step.chunk == 0:
                 hints.file_opened(pid, step.file.encode())
+            if prev is not None and prev is not f:  # the job closes a file when it moves on
+                cache.forget_access(access[prev.key])
+            prev = f
             cid = (f.key, step.chunk)
             hit = cache.is_resident(cid)
             total += 1

@@ -59,10 +59,13 @@ class Staged:
 @dataclass
 class AccessState:
     """Per open handle: which chunk it read last, so one pass over a chunk counts as one access;
-    ``random``: the handle's current read is not part of a sequential run (set by the caller)."""
+    ``random``: the handle's current read is not part of a sequential run (set by the caller);
+    ``reading``: the chunk the handle is in (not evicted until it moves on or is forgotten,
+    :meth:`Cache.forget_access`)."""
 
     last_chunk: int = -1
     random: bool = False
+    reading: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Cache:
         self.partial_fetches = 0
         self.background = 0  # placement/promotion tasks running (tests wait for 0)
         self._unread_prefetch: dict[ChunkId, int] = {}  # readahead placed in a tier, not read yet
+        self._reading: dict[ChunkId, int] = {}  # chunk -> open handles reading it now (not evicted)
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background placement and promotion tasks run in ``nursery`` (owned by the mount)."""
@@ -148,9 +152,34 @@ class Cache:
             take = min(end, cstart + cs) - pos
             first_touch = idx != access.last_chunk
             access.last_chunk = idx
+            if first_touch or access.reading is None:
+                self._enter(access, (f.key, idx))
             parts.append(await self._read_chunk(f, idx, pos - cstart, take, first_touch, access.random))
             pos += take
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _enter(self, access: AccessState, cid: ChunkId) -> None:
+        """The handle of ``access`` now reads ``cid``: it stays in its tier until the handle
+        moves on. A read consumes the chunk's planned use at its first piece, which makes it
+        the first victim for hinted prefetch; without this it was evicted between the pieces
+        of that very read and fetched a second time for the rest."""
+        if access.reading == cid:
+            return
+        self.forget_access(access)
+        access.reading = cid
+        self._reading[cid] = self._reading.get(cid, 0) + 1
+
+    def forget_access(self, access: AccessState) -> None:
+        """The handle of ``access`` is closed (or left its chunk): its chunk may be evicted."""
+        cid = access.reading
+        if cid is None:
+            return
+        access.reading = None
+        n = self._reading.get(cid, 0) - 1
+        if n > 0:
+            self._reading[cid] = n
+        else:
+            self._reading.pop(cid, None)
 
     async def _read_chunk(
         self, f: BackingFile, idx: int, start: int, n: int, first_touch: bool, random: bool = False
@@ -335,16 +364,29 @@ class Cache:
         """Resident, or queued / in flight at the scheduler."""
         return self.is_resident(cid) or self.scheduler.lookup(cid) is not None
 
-    def can_admit(self, cid: ChunkId, length: int) -> bool:
+    def can_admit(self, cid: ChunkId, length: int, ahead: int = 0) -> bool:
         """Would a tier take ``cid`` now (room, or a victim the policy lets it replace)?
-        What the prefetcher asks before fetching a planned chunk."""
+        What the prefetcher asks before fetching a planned chunk.
+
+        ``ahead``: bytes of chunks the prefetcher has already queued and not yet placed (needed
+        sooner than ``cid``). They take the free room and the first victims when they arrive,
+        so ``cid`` is weighed against what is left: without this, every chunk queued in one
+        round was checked against the same room or the same victim, and the ones no tier took
+        on arrival were fetched for nothing."""
         need = blocks(length)
         for t, tier in enumerate(self.tiers):
-            if tier.cache_room() >= need:
+            room = tier.cache_room() - ahead
+            if room >= need:
                 return True
-            victim = next(self.residency[t].victims(self._unmovable), None)
-            if victim is not None and self.policy.admits(self.policy.freq.get(cid), victim, cid):
-                return True
+            skip = -room  # bytes of victims the chunks ahead take first (<= 0: none)
+            for victim in self.residency[t].victims(self._unmovable):
+                if skip > 0:
+                    entry = self.catalog.get(victim)
+                    skip -= blocks(entry.length) if entry is not None else need
+                    continue
+                if self.policy.admits(self.policy.freq.get(cid), victim, cid):
+                    return True
+                break
         return False
 
     async def evict_chunks(self, cids: list[ChunkId]) -> tuple[int, int]:
@@ -375,7 +417,7 @@ class Cache:
 
     # -- placement, eviction, promotion ----------------------------------------------------
     def _unmovable(self, cid: ChunkId) -> bool:
-        if cid in self._moving:
+        if cid in self._moving or cid in self._reading:
             return True
         entry = self.catalog.get(cid)
         return entry is None or entry.pins > 0

@@ -624,6 +624,7 @@ class Operations(pyfuse3.Operations):
                 df = await self.wb.copy_up(
                     path, st, lambda off, n: self.cache.read(bf, off, n, access), self.inodes.abs(path))
             finally:
+                self.cache.forget_access(access)
                 self._release_backing(bf)
             if st.st_nlink > 1:
                 self.wb.set_in_place(df)
@@ -795,6 +796,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if isinstance(h, FileHandle):
             self.readahead.forget(h.readahead)
+            self.cache.forget_access(h.access)
             if h.file is not None:
                 self._release_backing(h.file)
             if h.dirty is not None:

@@ -440,7 +440,7 @@ class HintService:
                 if queued_bytes >= self.budget:
                     stop = True
                     break
-                if not self.cache.can_admit(cid, need.sizes[i]):
+                if not self.cache.can_admit(cid, need.sizes[i], ahead=queued_bytes):
                     stop = blocked = True
                     break
                 f = await self._file(need.file_of(i))
