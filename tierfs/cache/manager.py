@@ -360,6 +360,10 @@ class Cache:
         """In a tier or in staging (a read would not wait for the backing store)."""
         return cid in self.catalog.entries or cid in self.staging
 
+    def in_tier(self, cid: ChunkId) -> bool:
+        """In a tier: what a hint waits for (staging is a transit area and may be trimmed)."""
+        return cid in self.catalog.entries
+
     def is_present(self, cid: ChunkId) -> bool:
         """Resident, or queued / in flight at the scheduler."""
         return self.is_resident(cid) or self.scheduler.lookup(cid) is not None

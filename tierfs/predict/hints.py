@@ -170,10 +170,10 @@ class HintService:
             entry = self.cache.catalog.entries.get(cid)
             if entry is not None:
                 per_tier[self.cache.tiers[entry.tier].name] += need.sizes[i]
-            elif cid in self.cache.staging:
-                per_tier["staging"] += need.sizes[i]
             elif cid not in read:  # a chunk counts as done once it was read
                 remaining += need.sizes[i]
+                if cid in self.cache.staging:  # fetched, on its way into a tier (or refused)
+                    per_tier["staging"] += need.sizes[i]
         now = trio.current_time()
         return {
             "id": need.id, "label": need.label, "total_bytes": need.total_bytes,
@@ -376,8 +376,8 @@ class HintService:
 
     def _check_deadlines(self) -> None:
         now = trio.current_time()
-        for need in self.plan.check_deadlines(now, self.cache.is_resident):
-            left = self.plan.remaining(need, self.cache.is_resident)
+        for need in self.plan.check_deadlines(now, self.cache.in_tier):
+            left = self.plan.remaining(need, self.cache.in_tier)
             log.warning("hint %s (%s) missed its deadline: %d of %d bytes not resident", need.id, need.label,
                         left, need.total_bytes)
         proj = self._projection()
@@ -404,7 +404,7 @@ class HintService:
         for need in self.plan.by_rank():
             if need.finished_at is not None:
                 continue
-            ahead += self.plan.remaining(need, self.cache.is_resident)
+            ahead += self.plan.remaining(need, self.cache.in_tier)
             if not math.isinf(need.deadline):
                 out[need.id] = ahead / rate
         return out
@@ -433,6 +433,9 @@ class HintService:
                     continue
                 cid = need.chunks[i]
                 if self.cache.is_present(cid) or cid[0] in self._bad_keys:
+                    staged = self.cache.staging.get(cid)
+                    if staged is not None and not staged.placing and not self.cache.in_tier(cid):
+                        blocked = True  # fetched, but no tier took it: the tiers are full
                     i += 1
                     continue
                 if first_absent is None:
@@ -498,9 +501,9 @@ class HintService:
         to_fetch = 0
         pending: list[dict[str, Any]] = []
         for need in self.plan.by_rank():
-            left = self.plan.remaining(need, self.cache.is_resident)
+            left = self.plan.remaining(need, self.cache.in_tier)
             to_fetch += left
-            resident += sum(need.sizes[i] for i in need.unique() if self.cache.is_resident(need.chunks[i]))
+            resident += sum(need.sizes[i] for i in need.unique() if self.cache.in_tier(need.chunks[i]))
             if not math.isinf(need.deadline) and need.finished_at is None and len(pending) < 20:
                 p = proj.get(need.id, 0.0)
                 pending.append({"id": need.id, "label": need.label, "deadline_in_s": need.deadline - now,
