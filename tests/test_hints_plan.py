@@ -265,3 +265,18 @@ def test_warmup_by_accepts_seconds_durations_and_clock_times() -> None:
         with pytest.raises(ConfigError):
             parse_by(bad)
 
+
+
+def test_orders_of_equal_deadline_interleave_by_distance_from_their_readers() -> None:
+    """Two workers' epoch orders (no deadline): the 2nd chunk of the later-registered order
+    ranks before the 3rd of the first, and a reader's progress moves its order forward."""
+    plan = HintPlan()
+    w0 = plan.add(make_need(plan, [("a", i) for i in range(4)], source="w0"), replaces_source_kind="epoch")
+    w1 = plan.add(make_need(plan, [("b", i) for i in range(4)], source="w1"), replaces_source_kind="epoch")
+    assert plan.next_use(("b", 1)) < plan.next_use(("a", 2))
+    assert plan.next_use(("a", 1)) < plan.next_use(("b", 1))  # equal distance: registration order
+    for i in range(3):
+        plan.consume(("a", i))
+    assert w0.cursor == 3
+    assert plan.next_use(("a", 3)) < plan.next_use(("b", 1))  # w0's reader is further along
+    assert w1.cursor == 0

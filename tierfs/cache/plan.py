@@ -3,8 +3,9 @@
 Every hint (``need``, ``epoch``, ``phase``; see :mod:`tierfs_hints`) becomes a :class:`Need`:
 chunks in the order they will be read, a deadline (clock seconds; ``inf`` for none) and a
 priority. The plan orders all of them into one timeline by *rank*
-``(deadline, -priority, registration order, position in the need)``: earliest deadline first
-(EDF), as the prefetcher serves them.
+``(deadline, -priority, distance from the need's read position, registration order)``: earliest
+deadline first (EDF), as the prefetcher serves them, and needs of equal deadline and priority
+(several workers' or ranks' epoch orders) interleaved as their readers advance.
 
 The rank of a chunk's first unread occurrence is its *next use*. Eviction with a plan follows
 Belady's MIN (L. A. Belady, "A study of replacement algorithms for a virtual-storage computer",
@@ -86,7 +87,12 @@ class Need:
                 yield i
 
     def rank(self, i: int) -> Rank:
-        return (self.deadline, -self.priority, self.seq, i)
+        """``(deadline, -priority, distance from the read position, registration order)``:
+        needs with the same deadline and priority interleave by how far ahead of their reader a
+        chunk is. Ranked by registration alone, one DataLoader worker's (or DDP rank's) whole
+        epoch order came before another's first shard: measured 14.3% epoch-2 data wait with
+        per-worker orders vs 5.0% with one interleaved order (docs/benchmarks.md)."""
+        return (self.deadline, -self.priority, i - self.cursor, self.seq)
 
     def file_of(self, i: int) -> PlannedFile:
         lo, hi = 0, len(self.files) - 1

@@ -19,6 +19,7 @@ leave the backing store are refused (:class:`~tierfs.errors.HintError`).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -419,44 +420,56 @@ class HintService:
             self._scan.clear()
             self._last_rescan = now
         submitted = 0
-        stop = False
         blocked = False
+        # Needs in rank order: by (deadline, -priority) groups; inside a group, interleaved by
+        # each chunk's distance from its need's read position (Need.rank).
+        groups: dict[tuple[float, int], list[Need]] = {}
         for need in self.plan.by_rank():
+            groups.setdefault((need.deadline, -need.priority), []).append(need)
+        for key in sorted(groups):
+            heap: list[tuple[int, int, int, Need]] = []
+            for need in groups[key]:
+                start = max(need.cursor, self._scan.get(need.id, 0))
+                heapq.heappush(heap, (start - need.cursor, need.seq, start, need))
+            first_absent: dict[str, int] = {}
+            stop = False
+            while heap and not stop:
+                _, seq, i, need = heapq.heappop(heap)
+                n = len(need.chunks)
+                while i < n:  # skip what is read or present, then fetch one chunk
+                    if need.consumed[i]:
+                        i += 1
+                        continue
+                    cid = need.chunks[i]
+                    if self.cache.is_present(cid) or cid[0] in self._bad_keys:
+                        staged = self.cache.staging.get(cid)
+                        if staged is not None and not staged.placing and not self.cache.in_tier(cid):
+                            blocked = True  # fetched, but no tier took it: the tiers are full
+                        i += 1
+                        continue
+                    first_absent.setdefault(need.id, i)
+                    if queued_bytes >= self.budget:
+                        stop = True
+                        break
+                    if not self.cache.can_admit(cid, need.sizes[i], ahead=queued_bytes):
+                        stop = blocked = True
+                        break
+                    f = await self._file(need.file_of(i))
+                    if f is not None:
+                        self._queued[cid] = self.scheduler.submit(f, cid[1], Klass.DEADLINE, need.deadline)
+                        queued_bytes += need.sizes[i]
+                        self.prefetched_bytes += need.sizes[i]
+                        submitted += 1
+                    i += 1
+                    break
+                if stop or i >= n:
+                    self._scan[need.id] = first_absent.get(need.id, i)
+                else:
+                    heapq.heappush(heap, (i - need.cursor, seq, i, need))
+            for _, _, i, need in heap:
+                self._scan[need.id] = first_absent.get(need.id, i)
             if stop:
                 break
-            i = max(need.cursor, self._scan.get(need.id, 0))
-            first_absent = None
-            n = len(need.chunks)
-            while i < n:
-                if need.consumed[i]:
-                    i += 1
-                    continue
-                cid = need.chunks[i]
-                if self.cache.is_present(cid) or cid[0] in self._bad_keys:
-                    staged = self.cache.staging.get(cid)
-                    if staged is not None and not staged.placing and not self.cache.in_tier(cid):
-                        blocked = True  # fetched, but no tier took it: the tiers are full
-                    i += 1
-                    continue
-                if first_absent is None:
-                    first_absent = i
-                if queued_bytes >= self.budget:
-                    stop = True
-                    break
-                if not self.cache.can_admit(cid, need.sizes[i], ahead=queued_bytes):
-                    stop = blocked = True
-                    break
-                f = await self._file(need.file_of(i))
-                if f is None:
-                    i += 1
-                    continue
-                req = self.scheduler.submit(f, cid[1], Klass.DEADLINE, need.deadline)
-                self._queued[cid] = req
-                queued_bytes += need.sizes[i]
-                self.prefetched_bytes += need.sizes[i]
-                submitted += 1
-                i += 1
-            self._scan[need.id] = first_absent if first_absent is not None else i
         self.stalled_rounds = self.stalled_rounds + 1 if blocked and not self._queued else 0
         self._close_idle_files()
         return submitted
