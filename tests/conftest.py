@@ -64,11 +64,11 @@ class Mount:
         self.pid = 0
 
     def kill9(self) -> None:
+        from tierfs.cli import _alive
+
         os.kill(self.pid, signal.SIGKILL)
         for _ in range(200):
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
+            if not _alive(self.pid):  # gone, or a zombie nobody has reaped yet
                 break
             time.sleep(0.01)
 

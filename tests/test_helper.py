@@ -163,10 +163,10 @@ def mounted_entry(mnt: Path) -> tuple[str, str] | None:
 
 def wait_gone(pid: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
+    from tierfs.cli import _alive
+
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):  # gone, or a zombie nobody has reaped yet
             return
         time.sleep(0.05)
     raise AssertionError(f"daemon {pid} did not exit")
