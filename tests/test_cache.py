@@ -228,3 +228,46 @@ async def test_ssd_catalog_round_trip(tmp_path: Path, autojump_clock) -> None:  
         n.cancel_scope.cancel()
     assert backing2.bytes_read == 0
     cache2.close()
+
+
+async def test_promotion_never_punches_a_chunk_under_a_concurrent_reader(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A chunk in the SSD tier is read by several handles at once; the first hit promotes it to
+    RAM and frees its SSD slot. Readers still in their (slow) SSD pread must get the data, not
+    the zeros of a punched hole (fresh-clone CI: fio verify after kill -9 + remount)."""
+    cache, sched, _ = make_cache(tmp_path, ram=8 * CS, ssd=16 * CS)
+    f = bfile(1, CS)
+    want = content(f.path, 0, CS)
+    real_read = Tier.read
+
+    def slow_ssd_read(self, key, offset, length):  # type: ignore[no-untyped-def]
+        if self.name == "ssd":
+            import time
+
+            time.sleep(0.02)  # in the SSD device thread: the promotion overtakes it
+        return real_read(self, key, offset, length)
+
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        cid = (f.key, 0)
+        cache._moving.add(cid)
+        assert await cache._place(cid, want, 0, range(1, 2)) == 1  # resident in the SSD tier
+        cache._moving.discard(cid)
+        cache.catalog.entries[cid].verified = True
+        monkeypatch.setattr(Tier, "read", slow_ssd_read)
+        got: list[bytes] = []
+
+        async def reader(offset: int) -> None:
+            got.append(await cache.read(f, offset, CS // 4, AccessState()))
+
+        await reader(0)  # a hit in the SSD tier: its promotion starts now, in the background
+        async with trio.open_nursery() as readers:  # found the chunk in SSD, still reading it there
+            for k in range(1, 4):
+                readers.start_soon(reader, k * CS // 4)
+        await settle(cache)
+        assert got[0] == want[: CS // 4]
+        assert sorted(got[1:]) == sorted(want[k * CS // 4:(k + 1) * CS // 4] for k in range(1, 4))
+        assert cache.catalog.entries[cid].tier == 0  # promoted
+        assert cache.check() == []
+        n.cancel_scope.cancel()
+    cache.close()
