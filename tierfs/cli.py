@@ -415,7 +415,8 @@ def cmd_where(args: argparse.Namespace) -> int:
                   f"{100 * min(r, f['size']) / f['size']:.0f}" if f["size"] else "-",
                   format_size(f["dirty_bytes"]) if f["dirty_bytes"] else "")
     Console(width=max(100, shutil.get_terminal_size((120, 40)).columns)).print(t)
-    print(f"{len(reply['files'])} files, {format_size(resident)} of {format_size(total)} resident"
+    nfiles = len(reply["files"])
+    print(f"{nfiles} file{'s' if nfiles != 1 else ''}, {format_size(resident)} of {format_size(total)} resident"
           + (f" ({100 * resident / total:.0f}%)" if total else ""))
     return 0
 
@@ -506,6 +507,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                       f"{m['backing_bytes'] / 1e6:.1f}", str(m["deadline_misses"]),
                       "-" if pol == "belady" else f"{m['data_wait_s']:.2f}")
         console.print(t)
+    print("vs Belady: hit ratio over that of Belady's MIN *without prefetch*; prefetching policies can "
+          "exceed 1 by hiding misses MIN must take.")
     print("targets: " + ("all met" if not missed else "; ".join(missed)))
     return 0 if not missed else 1
 
