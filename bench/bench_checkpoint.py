@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
 import bench_hdd  # noqa: E402
-from bench_hdd import MB, MiB, Rig, TierfsMount, is_mounted, request_stats, tierfs_cmd  # noqa: E402
+from bench_hdd import MB, MiB, Rig, TierfsMount, request_stats, tierfs_cmd  # noqa: E402
 
 try:
     from tierfs_hints import wire  # the control-file names behind `tierfs stats --json`
@@ -74,30 +74,6 @@ def loadavg() -> str:
 # ---------------------------------------------------------------------------------------------
 # tierfs helpers
 # ---------------------------------------------------------------------------------------------
-class Mount(TierfsMount):
-    """bench_hdd.TierfsMount with extra mount arguments (--ssd, --write-tier, -o ...)."""
-
-    def __init__(self, backing: Path, mountpoint: Path, ram: str, extra: list[str]) -> None:
-        super().__init__(backing, mountpoint, ram)
-        self.extra = extra
-
-    def __enter__(self) -> Mount:
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        r = tierfs_cmd(
-            "mount",
-            str(self.backing),
-            str(self.mountpoint),
-            "--ram",
-            self.ram,
-            *self.extra,
-            timeout=120,
-        )
-        if r.returncode != 0 or not is_mounted(self.mountpoint):
-            self._force_umount()
-            raise RuntimeError(
-                f"tierfs mount failed (rc={r.returncode}): {(r.stdout + r.stderr).strip()[-1500:]}"
-            )
-        return self
 
 
 def read_stats(mnt: Path) -> dict:
@@ -179,7 +155,7 @@ def local_part(args, sd: dict, work: Path, res: dict) -> None:
         pass
     res["local"] = out
     extra = ["--ssd", f"{ssd}:{args.ssd_size}", "--write-tier", "ssd"]
-    with Mount(back, mnt, args.ram, extra) as m:
+    with TierfsMount(back, mnt, args.ram, extra) as m:
         for i in range(args.runs):
             for kind in ("direct", "tierfs"):
                 target = (direct if kind == "direct" else mnt) / "ckpt.pt"
@@ -342,7 +318,7 @@ def hdd_phase(
     rig.dropcache()
     ph: dict = {"key": key, "load_before": loadavg()}
     res["hdd"][key] = ph
-    with Mount(disk, tmnt, args.ram, extra) as m:
+    with TierfsMount(disk, tmnt, args.ram, extra) as m:
         nreaders = len(shards)
         ctx = mp.get_context("fork")
         _CTX.clear()

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -306,15 +307,18 @@ def is_mounted(path: Path) -> bool:
 
 
 class TierfsMount:
-    """A fresh tierfs mount of BACKING for one phase (context manager)."""
+    """A fresh tierfs mount of BACKING for one phase (context manager); ``extra``: more
+    ``tierfs mount`` arguments (--ssd, --write-tier, -o ...)."""
 
-    def __init__(self, backing: Path, mountpoint: Path, ram: str) -> None:
+    def __init__(self, backing: Path, mountpoint: Path, ram: str, extra: Sequence[str] = ()) -> None:
         self.backing, self.mountpoint, self.ram = backing, mountpoint, ram
+        self.extra = list(extra)
         self.stats: dict | str | None = None
 
     def __enter__(self) -> TierfsMount:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
-        r = tierfs_cmd("mount", str(self.backing), str(self.mountpoint), "--ram", self.ram, timeout=120)
+        r = tierfs_cmd("mount", str(self.backing), str(self.mountpoint), "--ram", self.ram, *self.extra,
+                       timeout=120)
         if r.returncode != 0 or not is_mounted(self.mountpoint):
             self._force_umount()
             raise RuntimeError(

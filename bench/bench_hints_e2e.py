@@ -61,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench_hdd  # noqa: E402  (bench/bench_hdd.py: the emulated disk, mounts, request stats)
-from bench_hdd import Rig, TierfsMount, is_mounted, request_stats, tierfs_cmd  # noqa: E402
+from bench_hdd import Rig, TierfsMount, request_stats  # noqa: E402
 
 MiB = 1 << 20
 VARIANTS = {
@@ -81,24 +81,6 @@ def slowed_disk(s: float) -> str:
         return ""
     return (f"rpm={7200 / s:g} media_mbps={180 / s:g} bus_mbps={600 / s:g} "
             f"avg_seek_ms={8.5 * s:g} t2t_ms={1.0 * s:g} full_ms={16.0 * s:g}")
-
-
-class Mount(TierfsMount):
-    """:class:`bench_hdd.TierfsMount` with extra mount options."""
-
-    def __init__(self, backing: Path, mountpoint: Path, ram: str, extra: list[str]) -> None:
-        super().__init__(backing, mountpoint, ram)
-        self.extra = extra
-
-    def __enter__(self) -> Mount:
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        r = tierfs_cmd("mount", str(self.backing), str(self.mountpoint), "--ram", self.ram,
-                       *self.extra, timeout=120)
-        if r.returncode != 0 or not is_mounted(self.mountpoint):
-            self._force_umount()
-            raise RuntimeError(f"tierfs mount failed (rc={r.returncode}): "
-                               f"{(r.stdout + r.stderr).strip()[-1500:]}")
-        return self
 
 
 class Poller(threading.Thread):
@@ -394,7 +376,7 @@ def main() -> int:
             log(f"variant {v}: fresh mount, load average {run['load_start']}")
             t0 = time.monotonic()
             try:
-                with Mount(data, tmnt, ram, mount_args) as m:
+                with TierfsMount(data, tmnt, ram, mount_args) as m:
                     poller = Poller(tmnt, args.poll) if args.poll > 0 else None
                     if poller is not None:
                         poller.start()

@@ -83,6 +83,17 @@ class Device:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 
+def open_backing(path: bytes) -> tuple[int, os.stat_result]:
+    """Open a backing file read-only (never following a final symlink) and fstat it.
+    Returns (fd, stat). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        return fd, os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def pread_exact(fd: int, length: int, offset: int) -> bytes:
     """Read ``length`` bytes at ``offset``; shorter only at end of file."""
     data = os.pread(fd, length, offset)

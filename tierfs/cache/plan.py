@@ -218,21 +218,6 @@ class HintPlan:
     def by_rank(self) -> list[Need]:
         return sorted(self.needs.values(), key=lambda n: (n.deadline, -n.priority, n.seq))
 
-    def pending(self, present: Callable[[ChunkId], bool]) -> Iterator[tuple[Need, int]]:
-        """Unread occurrences whose chunk is not ``present`` (resident, staged or queued), in
-        rank order (EDF), each chunk once: what the prefetcher fetches next."""
-        seen: set[ChunkId] = set()
-        for need in self.by_rank():
-            for i in range(need.cursor, len(need.chunks)):
-                if need.consumed[i]:
-                    continue
-                cid = need.chunks[i]
-                if cid in seen:
-                    continue
-                seen.add(cid)
-                if not present(cid):
-                    yield need, i
-
     # -- progress ---------------------------------------------------------------------------
     def consume(self, cid: ChunkId) -> bool:
         """A read of ``cid``: its next occurrence is used up. True if the plan had it."""

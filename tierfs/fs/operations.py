@@ -38,7 +38,7 @@ from tierfs.errors import TierfsError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
-from tierfs.io import Device
+from tierfs.io import Device, open_backing
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile, Identity
 from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
@@ -69,15 +69,6 @@ def fuse_errors(what: str) -> Iterator[None]:
         # A bug must cost one request, never the daemon (and every user of the mount).
         log.exception("%s: unexpected error; answering EIO", what)
         raise pyfuse3.FUSEError(errno.EIO) from None
-
-
-def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        return fd, os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _lstat_or_none(path: bytes) -> os.stat_result | None:
@@ -632,7 +623,7 @@ class Operations(pyfuse3.Operations):
         return df
 
     async def _backing_file(self, path: bytes) -> BackingFile:
-        fd, st = await self.meta.run(_open_backing, path)
+        fd, st = await self.meta.run(open_backing, path)
         identity = Identity.of(os.fsdecode(path), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:

@@ -33,7 +33,7 @@ import trio
 from tierfs.cache.manager import Cache
 from tierfs.cache.plan import ChunkId, HintPlan, Need, PlannedFile, chunk_bytes, chunk_ranges
 from tierfs.errors import HintError
-from tierfs.io import Device
+from tierfs.io import Device, open_backing
 from tierfs.predict.nextfile import NextFilePredictor
 from tierfs.sched.backing import BackingFile, Identity
 from tierfs.sched.scheduler import FetchRequest, Klass, ReqState, TransactionScheduler
@@ -46,15 +46,6 @@ FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
 LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
 MAX_LISTING = 200_000  # larger directories: successor prediction only
-
-
-def _open_backing(path: bytes) -> tuple[int, os.stat_result]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        return fd, os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class HintService:
@@ -479,7 +470,7 @@ class HintService:
         if f is not None and f.fd >= 0:
             return f
         try:
-            fd, st = await self.meta.run(_open_backing, pf.path)
+            fd, st = await self.meta.run(open_backing, pf.path)
         except OSError as e:
             log.info("hinted file %s cannot be opened (%s); skipped", os.fsdecode(pf.path), e.strerror)
             self._bad_keys.add(pf.key)
