@@ -181,6 +181,16 @@ class ShardStream(IterableDataset[dict[str, torch.Tensor]]):
             yield {"input_ids": ids, "labels": ids}
 
 
+def timed_next(it: Iterator[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor] | None, float]:
+    """The next batch (None at the end) and the seconds spent waiting for it: the data wait."""
+    t = time.perf_counter()
+    try:
+        batch = next(it)
+    except StopIteration:
+        batch = None
+    return batch, time.perf_counter() - t
+
+
 def evict_page_cache(paths: list[Path]) -> int:
     """Drop ``paths`` from the kernel page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``,
     as if they had been pushed out by a dataset larger than RAM. Returns the bytes evicted."""
@@ -397,13 +407,10 @@ class Evaluator:
         loss_sum = 0.0
         steps = 0
         while True:
-            t = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                wait += time.perf_counter() - t
+            batch, waited = timed_next(it)
+            wait += waited
+            if batch is None:
                 break
-            wait += time.perf_counter() - t
             if steps == 0:
                 first_batch = time.perf_counter() - t0
             logits, _ = model(batch["input_ids"])
@@ -460,13 +467,10 @@ def run_epoch(
     if evaluator is not None:
         evaluator.start_epoch()
     while max_steps is None or steps < max_steps:
-        t = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            wait += time.perf_counter() - t
+        batch, waited = timed_next(it)
+        wait += waited
+        if batch is None:
             break
-        wait += time.perf_counter() - t
         if steps == 0:
             first_batch = time.perf_counter() - t0
 
