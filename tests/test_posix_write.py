@@ -840,3 +840,16 @@ def test_listdir_while_written_back(wm: Mount) -> None:
         if errors:
             break
     assert errors == []
+
+
+def test_setuid_bit_survives_write_back(wm: Mount) -> None:
+    """chown then chmod 4755 through the mount: the backing file ends with the same mode and
+    owner after write-back (a chown applied after the chmod would clear the setuid bit)."""
+    p = wm.mnt / "suid"
+    p.write_bytes(b"x")
+    os.chown(p, NOBODY, NOBODY)
+    os.chmod(p, 0o4755)
+    flush(wm)
+    st = os.stat(wm.backing / "suid")
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o4755, NOBODY, NOBODY)
+    assert os.stat(p).st_mode & 0o7777 == 0o4755
