@@ -39,6 +39,29 @@ def test_file_larger_than_write_tier_is_written_through(tiermount, tmp_path: Pat
     assert m.stats()["writeback"]["dirty_files"] in (0, 1)
 
 
+def test_written_through_file_written_again_after_its_commit(tiermount, tmp_path: Path) -> None:
+    """A file written through (larger than the write tier), made durable (fsync: its temporary
+    file is committed under its name), then written again through the same descriptor and made
+    durable again: the daemon survives and the backing store holds the new bytes (np.memmap w+
+    followed by flush did this, and the second write-back failed an assertion and killed the
+    daemon)."""
+    m = tiermount(ram="8MiB", ssd=None, extra=("--write-tier", "ram"))
+    payload = bytearray(os.urandom(24 * MiB))
+    fd = os.open(m.mnt / "w.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, payload)
+        os.fsync(fd)  # RAM write tier: fsync waits for the backing store
+        assert m.stats()["writeback"]["through_files"] == 1
+        payload[MiB : 2 * MiB] = b"\x07" * MiB
+        os.pwrite(fd, b"\x07" * MiB, MiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tierfs_cmd("flush", str(m.mnt))
+    assert sha((m.mnt / "w.bin").read_bytes()) == sha(bytes(payload))
+    assert sha((tmp_path / "back" / "w.bin").read_bytes()) == sha(bytes(payload))
+
+
 @pytest.fixture
 def small_backing(tmp_path: Path):  # type: ignore[no-untyped-def]
     with tmpfs(tmp_path / "back", "24m") as back:

@@ -252,6 +252,11 @@ def _commit(tmp: bytes, final: bytes, dir_times: DirTimes | None = None) -> os.s
     return os.lstat(final)
 
 
+def _fsync_lstat(fd: int, path: bytes) -> os.stat_result:
+    os.fsync(fd)
+    return os.lstat(path)
+
+
 def _unlink_quiet(path: bytes | str) -> None:
     try:
         os.unlink(path)
@@ -681,6 +686,16 @@ class WriteBack:
                 # clean as it is, no second copy needed.
                 assert df.path is not None
                 st = await self._io(df, partial(os.lstat, self.root + b"/" + df.path), 0)
+                async with df.commit_lock:
+                    self._check(df, gen)
+                    self._finish_success(df, gen, st)  # type: ignore[arg-type]
+                return
+            if df.through and df.tmp is None:
+                # Written through and committed before: its fd is the file under its final name
+                # now, so later writes (np.memmap w+ after a flush) only need to be made durable.
+                # This case used to fail an assertion and take the daemon down.
+                assert df.path is not None
+                st = await self._io(df, partial(_fsync_lstat, df.fd, self.root + b"/" + df.path), 0)
                 async with df.commit_lock:
                     self._check(df, gen)
                     self._finish_success(df, gen, st)  # type: ignore[arg-type]
