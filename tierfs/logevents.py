@@ -207,3 +207,24 @@ def sd_notify(state: str) -> bool:
     except OSError:
         return False
     return True
+
+
+USER_TEXT_LIMIT = 200  # characters of a user-supplied string kept in a log line
+
+
+def user_text(s: str | bytes | None, limit: int = USER_TEXT_LIMIT) -> str:
+    """A user-supplied string (a path from a control request, a checkpoint dir, a file name)
+    made safe for one log line: newlines, control and other non-printable characters (and
+    undecodable bytes) escaped as :func:`repr` escapes them, then cut to about ``limit``
+    characters with a marker giving the full length. A newline in a request can then not
+    start a forged log line, nor a 100 MB path make a 100 MB line."""
+    if s is None:
+        return "None"
+    n, unit = len(s), "chars"
+    if isinstance(s, bytes):
+        unit = "bytes"
+        s = s[: limit * 4].decode("utf-8", "surrogateescape")
+    text = repr(s[:limit])[1:-1]
+    if n > limit:
+        text += f"...[{n} {unit}]"
+    return text

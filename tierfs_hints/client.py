@@ -35,7 +35,9 @@ Errors
     or non-finite numbers, an empty name, a path inside ``.tierfs/``, the mount root given as a
     file, or a path that enters a tierfs mount and leaves it again (through ``..`` or a symlinked
     directory pointing outside). A refusal by the daemon (``wire.ControlError``) becomes
-    ``ValueError`` (kind "value") or ``OSError`` (kind "os"); a mount that stopped answering
+    ``ValueError`` (kind "value": bad input, or over a request cap), ``PermissionError``
+    (kind "perm": the calling user may not read a path, evict another user's file, or exceed
+    its share) or ``OSError`` (kind "os"); a mount that stopped answering
     (daemon killed, unmounted) raises ``OSError`` naming the mount. Paths that do not exist on a
     mount are reported by the daemon; :func:`need`, :func:`epoch` and :func:`phase` then raise
     ``FileNotFoundError`` listing the first few, *after* the daemon registered the others: the
@@ -600,6 +602,8 @@ class Client:
         except wire.ControlError as e:
             if e.kind == "os":
                 raise OSError(f"tierfs mount {root}: the {op} hint failed: {e}") from e
+            if e.kind == "perm":
+                raise PermissionError(errno.EACCES, f"tierfs mount {root} refused the {op} hint: {e}") from e
             if e.kind == "timeout" or str(e) == "timed out":
                 raise TimeoutError(f"tierfs mount {root}: the {op} request timed out") from e
             raise ValueError(f"tierfs mount {root} refused the {op} hint: {e}") from e

@@ -66,17 +66,32 @@ class Need:
     missed: bool = False
     at_risk: bool = False  # projected to miss its deadline (reported once)
     finished_at: float | None = None  # when every chunk was first resident or consumed
+    uid: int = 0  # who declared it (the caller of the control request; 0 for the daemon's own)
+    total_bytes: int = -1  # each chunk once, however often the need reads it (-1: computed here)
+    shed: bool = False  # removed from the plan and its chunk lists freed (see :meth:`shed_lists`)
 
     def __post_init__(self) -> None:
         if not self.consumed:
             self.consumed = bytearray(len(self.chunks))
-        seen: set[ChunkId] = set()
-        total = 0
-        for cid, size in zip(self.chunks, self.sizes, strict=True):
-            if cid not in seen:
-                seen.add(cid)
-                total += size
-        self.total_bytes = total  # each chunk once, however often the need reads it
+        if self.total_bytes < 0:
+            seen: set[ChunkId] = set()
+            total = 0
+            for cid, size in zip(self.chunks, self.sizes, strict=True):
+                if cid not in seen:
+                    seen.add(cid)
+                    total += size
+            self.total_bytes = total
+
+    def shed_lists(self) -> None:
+        """Free the chunk lists of a need that left the plan (cancelled, replaced, expired,
+        fully read): only its summary stays for late progress queries. A need of 1 M chunks
+        holds ~150 MB; the plan keeps the last 1000 removed needs."""
+        self.shed = True
+        self.chunks = []
+        self.sizes = array("q")
+        self.files = []
+        self.consumed = bytearray()
+        self.cursor = 0
 
     def unique(self) -> Iterator[int]:
         """Indexes of each chunk's first occurrence."""
@@ -141,9 +156,18 @@ class HintPlan:
         self._seq += 1
         return f"n{self._seq}"
 
-    def add(self, need: Need, *, replaces_source_kind: str | None = None) -> Need:
+    def replaced_by(self, source: str, kind: str | None) -> Need | None:
+        """The live need that a new one of ``(source, kind)`` would replace, if any."""
+        if kind is None:
+            return None
+        nid = self._by_source.get((source, kind))
+        return self.needs.get(nid) if nid is not None else None
+
+    def add(self, need: Need, *, replaces_source_kind: str | None = None, index: bool = True) -> Need:
         """Register ``need``. With ``replaces_source_kind`` (e.g. "epoch"), the previous need of
-        the same (source, kind) is removed first: each epoch's order replaces the last."""
+        the same (source, kind) is removed first: each epoch's order replaces the last. With
+        ``index=False`` its chunks are indexed later, by :meth:`index` in slices (a need of a
+        million chunks indexed at once holds the event loop ~0.5 s)."""
         if replaces_source_kind is not None:
             old = self._by_source.get((need.source, replaces_source_kind))
             if old is not None:
@@ -152,11 +176,26 @@ class HintPlan:
         self._seq += 1
         need.seq = self._seq
         self.needs[need.id] = need
-        for i, cid in enumerate(need.chunks):
-            self._occ.setdefault(cid, []).append((need, i))
-            self.released.pop(cid, None)  # needed again: no longer "evict first"
+        if index:
+            self.index(need, 0, len(need.chunks))
         self.version += 1
         return need
+
+    def index(self, need: Need, lo: int, hi: int) -> bool:
+        """Index occurrences ``[lo, hi)`` of a need added with ``index=False``. False (and
+        nothing done) if the need left the plan meanwhile."""
+        if self.needs.get(need.id) is not need:
+            return False
+        occ = self._occ
+        released = self.released
+        chunks = need.chunks
+        for i in range(lo, min(hi, len(chunks))):
+            cid = chunks[i]
+            occ.setdefault(cid, []).append((need, i))
+            if released:
+                released.pop(cid, None)  # needed again: no longer "evict first"
+        self.version += 1
+        return True
 
     def remove(self, need_id: str) -> Need | None:
         need = self.needs.pop(need_id, None)
@@ -172,6 +211,10 @@ class HintPlan:
             occ[:] = [o for o in occ if o[0] is not need]
             if not occ:
                 del self._occ[cid]
+        for key, nid in list(self._by_source.items()):
+            if nid == need_id:
+                del self._by_source[key]
+        need.shed_lists()
         self.version += 1
         return need
 
@@ -253,6 +296,13 @@ class HintPlan:
         missed their deadline in this call (each is reported once)."""
         missed = []
         for need in list(self.needs.values()):
+            if need.cursor >= len(need.chunks):
+                # every occurrence read: it ranks nothing any more; free it
+                if need.finished_at is None:
+                    need.finished_at = now
+                    self.needs_finished += 1
+                self.remove(need.id)
+                continue
             if need.finished_at is not None and not need.missed:
                 if now > need.deadline + EXPIRE_AFTER_S:
                     self.remove(need.id)
