@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierfs.backing_tree import BackingTree
 from tierfs.errors import HintDenied, HintError
@@ -114,7 +115,8 @@ class Resolver:
         self.tree = tree
         self.caller = caller
         self.mountpoint = mountpoint.rstrip(b"/")
-        self._dirs: dict[bytes, bytes | BaseException] = {}  # given dir -> canonical dir or error
+        # given dir -> canonical dir, or the error it gave (type, args)
+        self._dirs: dict[bytes, bytes | tuple[type[BaseException], tuple[Any, ...]]] = {}
 
     # -- files -----------------------------------------------------------------------------
     def file(self, rel: bytes, want: int = R_OK) -> tuple[bytes, os.stat_result]:
@@ -138,8 +140,10 @@ class Resolver:
         on the way too). Raises like :meth:`file` (NotADirectoryError for a non-directory)."""
         cached = self._dirs.get(rel)
         if cached is not None:
-            if isinstance(cached, BaseException):
-                raise cached
+            if isinstance(cached, tuple):
+                # a fresh exception each time: re-raising one cached instance grows its
+                # traceback by every raise, and the frames it holds tie it into a cycle
+                raise cached[0](*cached[1])
             return cached
         try:
             if not rel:
@@ -161,12 +165,12 @@ class Resolver:
             if not self.caller.may(st, X_OK):
                 raise HintDenied("permission denied (search)")
         except (OSError, HintDenied, HintError) as e:
-            self._remember(rel, e)
+            self._remember(rel, (type(e), e.args))
             raise
         self._remember(rel, canon)
         return canon
 
-    def _remember(self, rel: bytes, what: bytes | BaseException) -> None:
+    def _remember(self, rel: bytes, what: bytes | tuple[type[BaseException], tuple[Any, ...]]) -> None:
         if len(self._dirs) >= MAX_DIRS:
             self._dirs.clear()
         self._dirs[rel] = what

@@ -261,7 +261,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     if plan is not None:  # tierfs: next-file prediction; with hints also the hints themselves
         hints = HintService(cache=cache, scheduler=sched, backing_root=os.fsencode(backing), meta=inline,
                             chunk_size=CHUNK, write_tier=0, budget=16 * CHUNK,
-                            predict_bytes=4 * CHUNK if prefetching else 0)
+                            predict_bytes=4 * CHUNK if prefetching else 0, pace=False)
     ra = Readahead(CHUNK, 8 * CHUNK, budget=trace.staging_chunks * CHUNK) if prefetching else None
     hits = total = dmiss = 0
     waited = 0.0

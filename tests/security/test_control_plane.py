@@ -10,6 +10,7 @@ the same descriptor.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -214,7 +215,11 @@ def test_million_item_need(attacker: User, secmount, tree: Path) -> None:
     asserts on wall-clock speed)."""
     m = secmount(allow_other=True)
     n = 1_000_000
-    req = {"op": "need", "items": [[f"open/f{i}", 0, None] for i in range(n)], "deadline_s": None}
+    # built as text: a million lists alive in this process would make its own collector pause
+    # the stat loop below for hundreds of ms
+    req = ('{"op": "need", "deadline_s": null, "items": ['
+           + ", ".join(f'["open/f{i}", 0, null]' for i in range(n)) + "]}\n").encode()
+    gc.collect()
     stop = threading.Event()
     worst = [0.0]
 

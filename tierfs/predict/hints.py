@@ -45,7 +45,7 @@ from tierfs.backing_tree import BackingTree
 from tierfs.cache.manager import Cache
 from tierfs.cache.plan import ChunkId, HintPlan, Need, PlannedFile, chunk_bytes, chunk_ranges
 from tierfs.errors import HintDenied, HintError
-from tierfs.io import Device
+from tierfs.io import Device, Pacer
 from tierfs.predict.nextfile import NextFilePredictor
 from tierfs.sched.backing import BackingFile, Identity, key_path
 from tierfs.sched.scheduler import FetchRequest, Klass, ReqState, TransactionScheduler
@@ -59,8 +59,8 @@ FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
 LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
 MAX_LISTING = 200_000  # larger directories: successor prediction only
-BATCH = 256  # paths resolved per call on the metadata device (~1 ms when cached: a short stall at most)
-INDEX_BATCH = 8192  # chunk occurrences indexed into the plan between two checkpoints (~2 ms)
+BATCH = 64  # paths resolved per call on the metadata device (~0.3 ms when cached)
+INDEX_BATCH = 2048  # chunk occurrences indexed into the plan between two chances to pause (~0.5 ms)
 DEFAULT_USER_SHARE = 0.5  # see the user_hint_share option (tierfs.config)
 MAX_CHECKPOINT_DIRS = 64  # checkpoint declarations per user
 MAX_BAD_KEYS = 100_000  # remembered unreadable files (cleared beyond)
@@ -78,12 +78,14 @@ class HintService:
             prefetch volume (bytes of its live needs), and of the write tier it may reserve
             for checkpoints (the ``user_hint_share`` option). uid 0 is not bounded.
         mountpoint: the mount's path (bytes), to resolve absolute symlinks pointing into it.
+        pace: large requests are worked through in slices with short sleeps between them
+            (:class:`tierfs.io.Pacer`); False for the simulator, whose mock clock must not move.
     """
 
     def __init__(self, *, cache: Cache, scheduler: TransactionScheduler, meta: Device, chunk_size: int,
                  write_tier: int, budget: int, tree: BackingTree | None = None, backing_root: bytes | None = None,
                  dirty_bytes: Callable[[bytes], int] | None = None, predict_bytes: int = 0,
-                 user_share: float = DEFAULT_USER_SHARE, mountpoint: bytes = b"") -> None:
+                 user_share: float = DEFAULT_USER_SHARE, mountpoint: bytes = b"", pace: bool = True) -> None:
         assert cache.plan is not None
         self.cache = cache
         self.plan: HintPlan = cache.plan
@@ -99,6 +101,7 @@ class HintService:
         self.write_tier = write_tier
         self.budget = budget
         self.user_share = user_share
+        self.pace = pace
         self.dirty_bytes = dirty_bytes or (lambda rel: 0)
         self._queued: dict[ChunkId, FetchRequest] = {}
         self._files: dict[str, BackingFile] = {}
@@ -137,14 +140,14 @@ class HintService:
         return reply
 
     async def _op_need(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        items = await _validated(req.get("items"), "items", _items)
+        items = await _validated(req.get("items"), "items", _items, self._pacer())
         deadline = _deadline(req.get("deadline_s"))
         return await self._register(items, deadline, _int(req.get("priority", 0), "priority"),
                                     _text(req.get("source", ""), "source"), _text(req.get("label", "need"), "label"),
                                     caller=caller)
 
     async def _op_epoch(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        items = await _validated(req.get("paths"), "paths", _paths)
+        items = await _validated(req.get("paths"), "paths", _paths, self._pacer())
         return await self._register(items, math.inf, 0, _text(req.get("source", ""), "source"), "epoch",
                                     replaces="epoch", caller=caller)
 
@@ -155,9 +158,12 @@ class HintService:
         at = _deadline(req.get("at_s"))
         if math.isinf(at):
             raise HintError("phase: at_s is required (seconds from now)")
-        items = await _validated(req.get("paths"), "paths", _paths)
+        items = await _validated(req.get("paths"), "paths", _paths, self._pacer())
         return await self._register(items, at, 0, _text(req.get("source", ""), "source"), name,
                                     replaces=f"phase:{name}", caller=caller)
+
+    def _pacer(self) -> Pacer:
+        return Pacer(enabled=self.pace)
 
     def _user_source(self, source: str, caller: Caller) -> str:
         """Sources are per user: one user's epoch order never replaces another's."""
@@ -166,10 +172,13 @@ class HintService:
     async def _resolve(self, b: _Builder, items: Sequence[str | tuple[str, int, int | None]]) -> None:
         """Resolve ``items`` into ``b`` in batches on the metadata device; raises HintDenied
         naming the first path the caller may not access (nothing of the request is done)."""
+        pacer = self._pacer()
         for lo in range(0, len(items), BATCH):
             await self.meta.run(b.batch, items[lo:lo + BATCH])
             if b.denied is not None:
                 raise HintDenied(f"{b.denied[0]}: {b.denied[1]}")
+            if len(items) > BATCH:
+                await pacer.step()
 
     async def _register(self, items: Sequence[str | tuple[str, int, int | None]], deadline_in: float, priority: int,
                         source: str, label: str, replaces: str | None = None,
@@ -184,11 +193,12 @@ class HintService:
                     files=b.files, deadline=now + deadline_in, priority=priority, created=now,
                     uid=caller.uid, total_bytes=b.total)
         self.plan.add(need, replaces_source_kind=kind, index=False)
+        pacer = self._pacer()
         for lo in range(0, len(need.chunks), INDEX_BATCH):
             if not self.plan.index(need, lo, lo + INDEX_BATCH):
                 break
             if len(need.chunks) > INDEX_BATCH:
-                await trio.lowlevel.checkpoint()
+                await pacer.step()
         self._kick.set()
         log.debug("hint %s (%s) of uid %d: %d files, %d bytes, deadline in %.1f s", need.id,
                   logevents.user_text(label, 80), caller.uid, len(b.files), need.total_bytes, deadline_in)
@@ -280,13 +290,13 @@ class HintService:
 
     async def _op_release(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
         n = 0
-        async for cids in self._chunks_of(await _validated(req.get("paths"), "paths", _paths), caller, evict=False):
+        async for cids in self._chunks_of(await _validated(req.get("paths"), "paths", _paths, self._pacer()), caller, evict=False):
             n += self.plan.release(cids)
         return {"chunks": n}
 
     async def _op_evict(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
         n = nbytes = 0
-        async for cids in self._chunks_of(await _validated(req.get("paths"), "paths", _paths), caller, evict=True):
+        async for cids in self._chunks_of(await _validated(req.get("paths"), "paths", _paths, self._pacer()), caller, evict=True):
             self.plan.release(cids)
             dn, db = await self.cache.evict_chunks(cids)
             n += dn
@@ -331,13 +341,14 @@ class HintService:
         return {"reserved_bytes": tier.keep_free, "tier": tier.name, "capacity_bytes": tier.capacity}
 
     async def _op_where(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        paths = await _validated(req.get("paths"), "paths", _paths)
+        paths = await _validated(req.get("paths"), "paths", _paths, self._pacer())
         b = _Builder(self, caller, plan=False)
         await self._resolve(b, paths)
         files = []
+        pacer = self._pacer()
         for lo in range(0, len(paths), BATCH):
             if lo:
-                await trio.lowlevel.checkpoint()  # residency_of looks at the staging area: keep slices short
+                await pacer.step()  # residency_of looks at the staging area: keep slices short
             for rel, res in zip(paths[lo:lo + BATCH], b.resolved[lo:lo + BATCH], strict=True):
                 if res is None:
                     files.append({"path": rel, "missing": True})
@@ -354,6 +365,7 @@ class HintService:
         every path is resolved (and checked) before the first slice is yielded."""
         b = _Builder(self, caller, plan=False, evict=evict)
         await self._resolve(b, paths)
+        pacer = self._pacer()
         for lo in range(0, len(b.resolved), BATCH):
             cids: list[ChunkId] = []
             for res in b.resolved[lo:lo + BATCH]:
@@ -362,7 +374,7 @@ class HintService:
                     key = Identity.of(key_path(self.tree.root, canon), st).key
                     cids.extend((key, i) for i in chunk_ranges(st.st_size, 0, None, self.chunk_size))
             yield cids
-            await trio.lowlevel.checkpoint()
+            await pacer.step()
 
     # -- the prefetcher -----------------------------------------------------------------------
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
@@ -733,10 +745,11 @@ def _count(v: list, name: str) -> None:  # type: ignore[type-arg]
                         "send fewer per request")
 
 
-VALIDATE_BATCH = 4096  # request entries checked between two checkpoints (~2 ms)
+VALIDATE_BATCH = 1024  # request entries checked between two chances to pause (~0.5 ms)
 
 
-async def _validated(v: object, name: str, check: Callable[[list], list]) -> list:  # type: ignore[type-arg]
+async def _validated(v: object, name: str, check: Callable[[list], list],  # type: ignore[type-arg]
+                     pacer: Pacer | None = None) -> list:  # type: ignore[type-arg]
     """``check`` applied to the list ``v`` in slices, with a checkpoint between them (500 000
     entries checked at once hold the event loop ~0.3 s). Raises HintError."""
     if not isinstance(v, list):
@@ -746,9 +759,10 @@ async def _validated(v: object, name: str, check: Callable[[list], list]) -> lis
     if len(v) <= VALIDATE_BATCH:
         return check(v)
     out: list = []  # type: ignore[type-arg]
+    pacer = pacer or Pacer()
     for lo in range(0, len(v), VALIDATE_BATCH):
         out.extend(check(v[lo:lo + VALIDATE_BATCH]))
-        await trio.lowlevel.checkpoint()
+        await pacer.step()
     return out
 
 
@@ -762,7 +776,7 @@ def _items(v: list) -> list[tuple[str, int, int | None]]:  # type: ignore[type-a
         if isinstance(it, str):
             out.append((_text(it, "path", wire.MAX_PATH_BYTES), 0, None))
             continue
-        if not isinstance(it, list) or len(it) != 3:
+        if not isinstance(it, (list, tuple)) or len(it) != 3:
             raise HintError(f"item {logevents.user_text(repr(it), 80)}: expected [path, offset, length]")
         path, offset, length = it
         path = _text(path, "path", wire.MAX_PATH_BYTES)
