@@ -591,6 +591,7 @@ class Client:
         self.finder = MountFinder(is_mount_root, negative_ttl_s)
         self.source = source
         self.warned = False
+        self.warned_cap = False  # the MAX_ITEMS warning of epoch(), once per client
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, root: str, req: dict[str, Any]) -> dict[str, Any]:
@@ -713,6 +714,20 @@ class Client:
                   label: str, missing_ok: bool) -> NeedHandle:
         """Send one need-like request per mount; a handle for all of them."""
         self._warn_skipped(who, groups)
+        for root, items in groups.items.items():
+            if len(items) <= wire.MAX_ITEMS:
+                continue
+            if who != "epoch":
+                raise ValueError(f"{who}: {len(items)} paths on {root} are over the daemon's MAX_ITEMS "
+                                 f"({wire.MAX_ITEMS}) per request; split them into several calls")
+            # an epoch order is a forecast: its first MAX_ITEMS files are announced (readahead
+            # serves the rest), so samplers over huge datasets keep working
+            if not self.warned_cap:
+                self.warned_cap = True
+                warnings.warn(f"tierfs_hints.epoch: {len(items)} files on {root}; only the first "
+                              f"{wire.MAX_ITEMS} (MAX_ITEMS) are announced (shown once)",
+                              TierfsHintWarning, stacklevel=_stack_level())
+            del items[wire.MAX_ITEMS:]
         ids: list[tuple[str, Any]] = []
         files = nbytes = 0
         missing: list[str] = []
