@@ -6,6 +6,7 @@ text in log lines, and the plan freeing what finished needs held."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -244,3 +245,17 @@ def test_user_text_escapes_and_truncates() -> None:
     assert len(long) < 250 and long.endswith("...[10000 chars]")
     assert "\n" not in logevents.user_text(b"a\nb\xff" * 100) and logevents.user_text(None) == "None"
     assert "\u2028" not in logevents.user_text("a\u2028b")  # a line separator is escaped too
+
+
+def test_every_log_message_is_one_bounded_line() -> None:
+    """Behind user_text: whatever a module logs (a file name with a newline), the handler's
+    filter writes it as one line of bounded length."""
+    f = logevents.SafeMessages()
+    r = logging.LogRecord("tierfs.x", logging.INFO, __file__, 1, "backing file changed: %s", ("a\nFORGED\r\x1b[2J",), None)
+    assert f.filter(r) and r.getMessage() == "backing file changed: a\\x0aFORGED\\x0d\\x1b[2J"
+    r = logging.LogRecord("tierfs.x", logging.INFO, __file__, 1, "%s", ("y" * 10**6,), None)
+    f.filter(r)
+    assert len(r.getMessage()) < logevents.MAX_MESSAGE_CHARS + 50
+    r = logging.LogRecord("tierfs.x", logging.INFO, __file__, 1, "plain %d", (5,), None)
+    f.filter(r)
+    assert r.getMessage() == "plain 5" and r.args == (5,)
