@@ -173,6 +173,11 @@ async def test_per_user_volume_and_ownership(tmp_path: Path) -> None:
         await hints.handle({"op": "progress", "id": e["id"]}, user)
     await hints.handle({"op": "cancel", "id": a["id"]}, user)
     await hints.handle({"op": "need", "items": [["f2", 0, None]]}, user)  # room again
+    # an epoch order over the share is cut to its head instead of refused (samplers keep working)
+    r = await hints.handle({"op": "epoch", "paths": ["f0", "f1", "f2", "f3"], "source": "big"}, Caller(4242, 4242))
+    assert r["bytes"] == 2 * 16 * CS and r["truncated_bytes"] == 2 * 16 * CS
+    need = hints.plan.needs[r["id"]]
+    assert [f.path for f in need.files] == [b"f0", b"f1"] and len(need.chunks) == 32
     hints.close()
     hints.cache.close()
 

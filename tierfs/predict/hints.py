@@ -188,7 +188,18 @@ class HintService:
         b = _Builder(self, caller)
         await self._resolve(b, items)
         kind = replaces if source or replaces == "epoch" else None
-        self._check_volume(caller, b.total, self.plan.replaced_by(source, kind))
+        left = self._volume_left(caller, self.plan.replaced_by(source, kind))
+        truncated = 0
+        if left is not None and b.total > left:
+            if replaces != "epoch":
+                raise HintDenied(self._over_share(caller, b.total, left))
+            # An epoch order is a forecast, often larger than the tiers: its head (read
+            # soonest) is announced up to the caller's share, instead of failing the sampler
+            truncated = b.total
+            await self._truncate(b, left)
+            truncated -= b.total
+            log.info("epoch order of uid %d cut to its first %d bytes (%d more over its share, user_hint_share=%g)",
+                     caller.uid, b.total, truncated, self.user_share)
         need = Need(id=self.plan.new_id(), label=label, source=source, chunks=b.chunks, sizes=b.sizes,
                     files=b.files, deadline=now + deadline_in, priority=priority, created=now,
                     uid=caller.uid, total_bytes=b.total)
@@ -202,22 +213,58 @@ class HintService:
         self._kick.set()
         log.debug("hint %s (%s) of uid %d: %d files, %d bytes, deadline in %.1f s", need.id,
                   logevents.user_text(label, 80), caller.uid, len(b.files), need.total_bytes, deadline_in)
-        return {"id": need.id, "bytes": need.total_bytes, "files": len(b.keys), "missing": b.missing,
-                "missing_count": len(b.missing)}
+        reply = {"id": need.id, "bytes": need.total_bytes, "files": len(b.keys), "missing": b.missing,
+                 "missing_count": len(b.missing)}
+        if truncated:
+            reply["truncated_bytes"] = truncated
+        return reply
 
     def user_bound(self) -> int:
         """Bytes of live needs one non-root user may declare (``user_share`` of all tiers)."""
         return int(self.user_share * sum(t.capacity for t in self.cache.tiers))
 
-    def _check_volume(self, caller: Caller, adding: int, replaced: Need | None) -> None:
+    def _volume_left(self, caller: Caller, replaced: Need | None) -> int | None:
+        """Bytes ``caller`` may still declare (None: unbounded, root)."""
         if caller.is_root:
-            return
+            return None
         have = sum(n.total_bytes for n in self.plan.needs.values() if n.uid == caller.uid and n is not replaced)
+        return max(0, self.user_bound() - have)
+
+    def _over_share(self, caller: Caller, adding: int, left: int) -> str:
         bound = self.user_bound()
-        if have + adding > bound:
-            raise HintDenied(f"prefetch volume of {have + adding} bytes (this request {adding}, live needs "
-                             f"{have}) is over the per-user bound of {bound} bytes (user_hint_share="
-                             f"{self.user_share:g} of the tiers); cancel or finish earlier needs")
+        return (f"prefetch volume of {bound - left + adding} bytes (this request {adding}, live needs "
+                f"{bound - left}) is over the per-user bound of {bound} bytes (user_hint_share="
+                f"{self.user_share:g} of the tiers); cancel or finish earlier needs")
+
+    async def _truncate(self, b: _Builder, allowance: int) -> None:
+        """Cut ``b``'s chunk lists after the longest head whose distinct chunks fit in
+        ``allowance`` bytes."""
+        pacer = self._pacer()
+        seen: set[ChunkId] = set()
+        total = 0
+        cut = len(b.chunks)
+        for lo in range(0, len(b.chunks), INDEX_BATCH):
+            for i in range(lo, min(lo + INDEX_BATCH, len(b.chunks))):
+                cid = b.chunks[i]
+                if cid not in seen:
+                    if total + b.sizes[i] > allowance:
+                        cut = i
+                        break
+                    seen.add(cid)
+                    total += b.sizes[i]
+            else:
+                await pacer.step()
+                continue
+            break
+        del b.chunks[cut:]
+        del b.sizes[cut:]
+        files = [f for f in b.files if f.first < cut]
+        if files and files[-1].first + files[-1].count > cut:
+            last = files[-1]
+            files[-1] = PlannedFile(last.path, last.key, last.size, last.first, cut - last.first)
+        b.files = files
+        b.keys = {f.key for f in files}
+        b.total = total
 
     def _progress_doc(self, need: Need) -> dict[str, Any]:
         per_tier = {t.name: 0 for t in self.cache.tiers}
