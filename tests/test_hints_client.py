@@ -941,3 +941,10 @@ def test_permission_refusal_is_a_permission_error(env: Any) -> None:
     c = Client(request=refuse, is_mount_root=env.roots)
     with pytest.raises(PermissionError, match="permission denied"):
         c.need([env.m1 / "d" / "x"])
+
+
+def test_request_over_the_byte_cap_is_not_sent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(wire, "MAX_REQUEST_BYTES", 100)
+    with pytest.raises(wire.ControlError, match="MAX_REQUEST_BYTES") as e:
+        wire.request(str(tmp_path / "not-a-mount"), {"op": "where", "paths": ["x" * 200]})
+    assert e.value.kind == "value"
