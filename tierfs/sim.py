@@ -321,6 +321,8 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     problems = cache.check()
     for f in files.values():
         f.release()
+    if hints is not None:
+        hints.close()  # its backing tree descriptor
     cache.close()
     out: dict[str, Any] = {"hit_ratio": hits / total if total else 0.0, "backing_bytes": reads["bytes"],
            "deadline_misses": dmiss, "reads": total, "sim_seconds": trio.current_time(),
