@@ -302,8 +302,10 @@ class ControlCommands:
         if kind:
             self.refused[kind] += 1
             if kind != "timeout":
-                log.info("control request of uid %d (pid %d) refused (%s): %s", caller.uid, caller.pid, kind,
-                         logevents.user_text(reply["error"], 300))
+                # at most one line a minute per user: refused requests cannot flood the log
+                logevents.event(log, logging.INFO, f"ctl-refused:{caller.uid}",
+                                "control request of uid %d (pid %d) refused (%s): %s", caller.uid, caller.pid,
+                                kind, logevents.user_text(reply["error"], 300))
         return await encode_reply(reply)
 
     async def _flush(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:

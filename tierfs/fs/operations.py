@@ -34,6 +34,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from tierfs import logevents
 from tierfs.access import caller_of
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
@@ -827,7 +828,8 @@ class Operations(pyfuse3.Operations):
             h.overflow = not buf.endswith(b"\n")
             h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
             h.answered = None
-            log.info("control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
+            logevents.event(log, logging.INFO, f"ctl-refused:{h.caller.uid}",
+                            "control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
             raise pyfuse3.FUSEError(errno.EFBIG)
         h.request += buf
         self.control.pending_bytes += n

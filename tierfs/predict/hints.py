@@ -383,8 +383,9 @@ class HintService:
             self._checkpoints.pop(key, None)
         want = sum(self._checkpoints.values())
         await self.cache.keep_free(self.write_tier, want)
-        log.info("checkpoint hint: %s gets %d bytes of %s tier room (every %.0f s, uid %d); %d kept free in all",
-                 logevents.user_text(rel) or "/", nbytes, tier.name, every, caller.uid, tier.keep_free)
+        logevents.event(log, logging.INFO, f"checkpoint-hint:{caller.uid}",
+                        "checkpoint hint: %s gets %d bytes of %s tier room (every %.0f s, uid %d); %d kept free in all",
+                        logevents.user_text(rel) or "/", nbytes, tier.name, every, caller.uid, tier.keep_free)
         return {"reserved_bytes": tier.keep_free, "tier": tier.name, "capacity_bytes": tier.capacity}
 
     async def _op_where(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
