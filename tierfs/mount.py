@@ -309,6 +309,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["hints"] = hints.statistics()
+        doc["control"] = ctl.statistics()
         return doc
 
     def render_stats() -> bytes:

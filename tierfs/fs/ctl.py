@@ -200,10 +200,10 @@ def parse_steps(data: bytes) -> Generator[None, None, dict[str, Any]]:
     return req
 
 
-async def parse_request(data: bytes) -> dict[str, Any]:
+async def parse_request(data: bytes, pacer: Pacer | None = None) -> dict[str, Any]:
     """:func:`parse_steps` driven on the event loop, paced (:class:`tierfs.io.Pacer`)."""
     steps = parse_steps(data)
-    pacer = Pacer()
+    pacer = pacer or Pacer()
     while True:
         try:
             next(steps)
@@ -239,10 +239,10 @@ def encode_steps(reply: dict[str, Any]) -> Generator[None, None, bytes]:
     return ("".join(parts) + "}\n").encode()
 
 
-async def encode_reply(reply: dict[str, Any]) -> bytes:
+async def encode_reply(reply: dict[str, Any], pacer: Pacer | None = None) -> bytes:
     """:func:`encode_steps` driven on the event loop, paced."""
     steps = encode_steps(reply)
-    pacer = Pacer()
+    pacer = pacer or Pacer()
     while True:
         try:
             next(steps)
@@ -269,12 +269,21 @@ class ControlCommands:
         self.mountpoint = mountpoint
         self.parsers = trio.CapacityLimiter(PARSERS)
         self.refused = {"value": 0, "perm": 0, "timeout": 0, "os": 0, "error": 0}
+        self.requests = 0
+        self.pauses = 0  # pauses made while parsing and encoding (tierfs.io.Pacer)
+
+    def statistics(self) -> dict[str, Any]:
+        """The ``control`` section of the stats document."""
+        return {"requests": self.requests, "paced_pauses": self.pauses,
+                "refused": dict(self.refused)}
 
     async def __call__(self, request: bytes, caller: Caller) -> bytes:
         kind = ""
+        self.requests += 1
+        pacer = Pacer()
         try:
             async with self.parsers:
-                req = await parse_request(request)
+                req = await parse_request(request, pacer)
             del request
             op = req.get("op")
             if op == "flush":
@@ -306,7 +315,10 @@ class ControlCommands:
                 logevents.event(log, logging.INFO, f"ctl-refused:{caller.uid}",
                                 "control request of uid %d (pid %d) refused (%s): %s", caller.uid, caller.pid,
                                 kind, logevents.user_text(reply["error"], 300))
-        return await encode_reply(reply)
+        try:
+            return await encode_reply(reply, pacer)
+        finally:
+            self.pauses += pacer.pauses
 
     async def _flush(self, req: dict[str, Any], caller: Caller) -> dict[str, Any]:
         """Wait until the named (or all) dirty files are durable on the backing store. A
