@@ -130,6 +130,8 @@ class Resolver:
                 the directory is not searchable).
             HintError: the path leads outside the mount (through ``..`` or a symlink).
         """
+        if not rel:
+            raise FileNotFoundError(errno.ENOENT, "the mount root is not a file")
         canon, st = self._walk(rel)
         if want and not self.caller.may(st, want):
             raise HintDenied(f"permission denied ({_want_name(want)})")
