@@ -75,6 +75,16 @@ def as_root(mnt: Path, req: dict) -> dict:
         os.close(fd)
 
 
+def settled(mnt: Path, rel: str) -> dict:
+    """Residency of ``rel`` once no chunk of it is in staging (on its way into a tier)."""
+    deadline = time.monotonic() + 30
+    while True:
+        res = as_root(mnt, {"op": "where", "paths": [rel]})["files"][0]["resident_bytes"]
+        if res["staging"] == 0 or time.monotonic() > deadline:
+            return res
+        time.sleep(0.05)  # polling for a state, not waiting out a race
+
+
 def refused_perm(reply: dict) -> bool:
     return reply.get("ok") is False and reply.get("kind") == "perm"
 
@@ -140,11 +150,11 @@ def test_evict_of_others_data(attacker: User, secmount, tree: Path) -> None:
     The attacker's own file it may evict."""
     m = secmount(allow_other=True)
     (m.mnt / "pub").read_bytes()
-    before = as_root(m.mnt, {"op": "where", "paths": ["pub"]})["files"][0]["resident_bytes"]
-    assert sum(before.values()) > 0, before
+    before = settled(m.mnt, "pub")
+    assert before["ram"] + before["ssd"] > 0, before
     r = send_as(attacker, m.mnt, {"op": "evict", "paths": ["pub"]})
     assert refused_perm(r), r
-    after = as_root(m.mnt, {"op": "where", "paths": ["pub"]})["files"][0]["resident_bytes"]
+    after = settled(m.mnt, "pub")
     assert after == before
     own = tree / "open" / "mine"
     own.write_bytes(os.urandom(MiB))
