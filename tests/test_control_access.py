@@ -197,6 +197,17 @@ def test_removed_needs_keep_only_a_summary() -> None:
     plan.consume(("k", 1))
     plan.check_deadlines(0.0, lambda c: False)
     assert m.id not in plan.needs and m.shed and m.finished_at is not None  # read to the end: freed
+    # a large need leaves the plan at once and is swept out of the index in slices
+    big = plan.add(make_need(plan, [("b", i) for i in range(10_000)] + [("k", 7)]))
+    small = plan.add(make_need(plan, [("k", 7)]))
+    plan.cancel(big.id)
+    assert big.id not in plan.needs and not big.shed and plan.sweeping
+    assert plan.next_use(("b", 5)) is None and plan.next_use(("k", 7)) == small.rank(0)
+    assert plan.consume(("k", 7)) and small.consumed[0] == 1  # the removed need's occurrence is skipped
+    steps = 0
+    while plan.sweep(1000):
+        steps += 1
+    assert steps >= 9 and big.shed and set(plan._occ) == {("k", 7)}
 
 
 # -- parsing and encoding -------------------------------------------------------------------------------

@@ -439,6 +439,10 @@ class HintService:
             try:
                 self._check_deadlines()
                 await self.prefetch_round()
+                if self.plan.sweeping:  # occurrences of removed needs, in slices
+                    pacer = self._pacer()
+                    while self.plan.sweep(INDEX_BATCH):
+                        await pacer.step()
             except Exception:  # noqa: BLE001 - a hint must never take the daemon down
                 log.exception("hint prefetch round failed")
             progress, self._progress = self._progress, trio.Event()
