@@ -53,8 +53,9 @@ CTL_FILE = "ctl"  # read-write: one JSON request line in, one JSON reply out (se
 #   {"op": "release", "paths": [...]}           -> {"ok": true, "chunks": N}
 #       not needed again soon: evicted first.
 #   {"op": "epoch", "paths": [...], "source": str}
-#       the access order of the coming epoch; replaces the previous epoch order of ``source``.
-#       -> like "need".
+#       the access order of the coming epoch; replaces the previous epoch order of ``source``
+#       (sources are per user). -> like "need", plus "truncated_bytes": B when the order was
+#       cut to its head to fit the caller's share (user_hint_share).
 #   {"op": "phase", "name": str, "at_s": s, "paths": [...], "source": str}
 #       a phase starting in at_s seconds needs these files: a need with that deadline.
 #   {"op": "checkpoint", "dir": path, "nbytes": B, "every_s": s}
