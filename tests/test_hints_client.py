@@ -912,3 +912,39 @@ def test_hinted_shards_in_dataloader_workers(env: Any, tmp_path: Path) -> None:
     # each worker announces its own split, under a source that is stable across epochs
     assert by_source == {f"{host}:{os.getpid()}:w0": [["s0.tar", "s2.tar", "s4.tar"]] * 2,
                          f"{host}:{os.getpid()}:w1": [["s1.tar", "s3.tar", "s5.tar"]] * 2}
+
+
+def test_item_cap_before_sending(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the daemon's MAX_ITEMS per mount: need() and phase() raise ValueError naming the cap
+    and send nothing; epoch() (a forecast, fed by samplers over huge datasets) announces the
+    first MAX_ITEMS files and warns once."""
+    monkeypatch.setattr(wire, "MAX_ITEMS", 10)
+    paths = [f"{env.m1}/d/f{i}" for i in range(15)]
+    with pytest.raises(ValueError, match="MAX_ITEMS"):
+        env.client.need(paths)
+    with pytest.raises(ValueError, match="MAX_ITEMS"):
+        env.client.phase("eval", 5, paths)
+    assert env.daemon.requests == []
+    with pytest.warns(TierfsHintWarning, match="MAX_ITEMS"):
+        env.client.epoch(paths)
+    (_, req), = sent(env.daemon, "epoch")
+    assert req["paths"] == [f"d/f{i}" for i in range(10)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env.client.epoch(paths)  # warned once per client
+
+
+def test_permission_refusal_is_a_permission_error(env: Any) -> None:
+    def refuse(root: str, req: dict[str, Any]) -> dict[str, Any]:
+        raise wire.ControlError("'d/x': permission denied (read)", "perm")
+
+    c = Client(request=refuse, is_mount_root=env.roots)
+    with pytest.raises(PermissionError, match="permission denied"):
+        c.need([env.m1 / "d" / "x"])
+
+
+def test_request_over_the_byte_cap_is_not_sent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(wire, "MAX_REQUEST_BYTES", 100)
+    with pytest.raises(wire.ControlError, match="MAX_REQUEST_BYTES") as e:
+        wire.request(str(tmp_path / "not-a-mount"), {"op": "where", "paths": ["x" * 200]})
+    assert e.value.kind == "value"

@@ -101,6 +101,16 @@ def _duration(v: Any, key: str) -> float:
     return parse_duration(v, key=key)
 
 
+def _fraction(v: Any, key: str) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a fraction 0..1 (0.5 = half), got {v!r}") from None
+    if isinstance(v, bool) or not 0.0 <= x <= 1.0:
+        raise ConfigError(f"{key}: expected a fraction 0..1 (0.5 = half), got {v!r}")
+    return x
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -131,6 +141,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("fsync", _choice("tier", "backing"), "tier", "what fsync waits for: durable on the write "
            "tier (tier) or on the backing store (backing)"),
     Option("allow_other", _bool, False, "let users other than the mounting one use the mount"),
+    Option("user_hint_share", _fraction, 0.5, "fraction of the tiers' capacity one user other than "
+           "root may claim through hints: bytes of its declared needs (of all tiers together) and of "
+           "its checkpoint reservations (of the write tier); a hint over it is refused. Root is not "
+           "bounded"),
     Option("read_ahead_kb", _int_range(0, 1 << 20), 1024, "KiB: kernel readahead of the mount, set "
            "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
     Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
@@ -167,6 +181,7 @@ class Config:
     writeback_deadline: float = 120.0
     fsync: str = "tier"
     allow_other: bool = False
+    user_hint_share: float = 0.5
     read_ahead_kb: int = 1024
     attr_timeout: float = 1.0
     log_level: str = "info"
@@ -251,6 +266,7 @@ _KINDS: dict[Callable[[Any, str], Any], str] = {
     _ssd: "DIR or DIR:SIZE",
     _duration: "seconds (30, 2.5s, 250ms, 10m)",
     _bool: "true or false",
+    _fraction: "fraction 0..1",
     _str: "text",
 }
 
@@ -289,7 +305,7 @@ def toml_value(opt: Option, value: Any) -> str:
     """``value`` of ``opt`` as a TOML value (``"4MiB"``, ``120``, ``true``)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if opt.parse is _duration:
+    if opt.parse in (_duration, _fraction):
         return f"{value:g}"
     if isinstance(value, int) and opt.parse not in (_size, _positive_size, _chunk_size, _ram):
         return str(value)

@@ -67,3 +67,11 @@ class HintError(TierfsError, ValueError):
     control file as ``{"ok": false, "kind": "value"}``, never a FUSE error."""
 
     errno = 22
+
+
+class HintDenied(TierfsError):
+    """The caller of a control request may not do what it asks (read a path, evict another
+    user's data, exceed its share); answered on the control file as ``{"ok": false, "kind":
+    "perm"}``, never a FUSE error. The message names what was refused."""
+
+    errno = _errno.EACCES

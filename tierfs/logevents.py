@@ -110,10 +110,39 @@ def stdio_path(target: str | None, state_dir: str) -> str:
     return target
 
 
+MAX_MESSAGE_CHARS = 2000  # of one log message (a traceback after it is kept whole)
+# C0 controls, DEL, C1 controls and the Unicode line/paragraph separators: anything that could
+# end a log line or move the cursor, written as \xNN / \uNNNN
+_UNSAFE = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+_UNSAFE.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+class SafeMessages(logging.Filter):
+    """Every log message as one bounded line, whatever a module passed in: newlines and control
+    characters escaped, cut at :data:`MAX_MESSAGE_CHARS`. Defense in depth behind
+    :func:`user_text`, which log calls apply to user-supplied strings (file names, request
+    paths): a name with a newline can then not forge a line in any module's messages."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is logging's own error to report
+            return True
+        safe = msg.translate(_UNSAFE)
+        if len(safe) > MAX_MESSAGE_CHARS:
+            safe = safe[:MAX_MESSAGE_CHARS] + f"...[{len(safe)} chars]"
+        if safe != msg:
+            record.msg, record.args = safe, None
+        return True
+
+
 def setup(level: str, target: str | None) -> None:
-    """Send every ``tierfs`` log line at ``level`` and above to ``target`` (``log_file``)."""
+    """Send every ``tierfs`` log line at ``level`` and above to ``target`` (``log_file``); every
+    message through :class:`SafeMessages`."""
     root = logging.getLogger()
-    root.handlers[:] = [handler_for(target)]
+    h = handler_for(target)
+    h.addFilter(SafeMessages())
+    root.handlers[:] = [h]
     root.setLevel(level.upper())
     logging.getLogger("pyfuse3").setLevel(logging.WARNING)
 
@@ -207,3 +236,24 @@ def sd_notify(state: str) -> bool:
     except OSError:
         return False
     return True
+
+
+USER_TEXT_LIMIT = 200  # characters of a user-supplied string kept in a log line
+
+
+def user_text(s: str | bytes | None, limit: int = USER_TEXT_LIMIT) -> str:
+    """A user-supplied string (a path from a control request, a checkpoint dir, a file name)
+    made safe for one log line: newlines, control and other non-printable characters (and
+    undecodable bytes) escaped as :func:`repr` escapes them, then cut to about ``limit``
+    characters with a marker giving the full length. A newline in a request can then not
+    start a forged log line, nor a 100 MB path make a 100 MB line."""
+    if s is None:
+        return "None"
+    n, unit = len(s), "chars"
+    if isinstance(s, bytes):
+        unit = "bytes"
+        s = s[: limit * 4].decode("utf-8", "surrogateescape")
+    text = repr(s[:limit])[1:-1]
+    if n > limit:
+        text += f"...[{n} {unit}]"
+    return text

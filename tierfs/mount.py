@@ -25,6 +25,7 @@ import xxhash
 
 from tierfs import io, logevents
 from tierfs import stats as stats_mod
+from tierfs.backing_tree import BackingTree
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
 from tierfs.cache.plan import HintPlan
@@ -33,9 +34,10 @@ from tierfs.cache.tier import Tier
 from tierfs.config import Config, default_ram_size, default_ssd_size
 from tierfs.errors import MountError
 from tierfs.fs.control import ControlPlane
+from tierfs.fs.ctl import ControlCommands
 from tierfs.fs.inodes import InodeTable
 from tierfs.fs.operations import Operations
-from tierfs.predict.hints import MAX_WAIT_S, HintService
+from tierfs.predict.hints import HintService
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
@@ -290,48 +292,13 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         df = writeback.get(rel)
         return df.size if df is not None and df.state.value != "clean" else 0
 
-    hints = HintService(cache=cache, scheduler=scheduler, backing_root=os.fsencode(plan.backing), meta=meta,
+    tree = BackingTree(os.fsencode(plan.backing))
+    hints = HintService(cache=cache, scheduler=scheduler, tree=tree, meta=meta,
                         chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
-                        dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size))
-
-    async def ctl(request: bytes) -> bytes:
-        try:
-            req = json.loads(request)
-            if not isinstance(req, dict):
-                raise ValueError("a request is a JSON object")
-            op = req.get("op")
-            if op in wire.HINT_OPS and op != "flush":
-                reply = await hints.handle(req)
-            elif op == "flush":
-                paths = req.get("paths") or []
-                timeout = float(req.get("timeout", 1e9))
-                files = None
-                if paths:
-                    files = []
-                    for p in paths:
-                        rel = os.path.normpath(str(p)).lstrip("/").encode()  # noqa: ASYNC240 - pure string
-                        df = writeback.get(rel)
-                        if df is not None:
-                            files.append(df)
-                try:  # short waits (see tierfs.predict.hints.MAX_WAIT_S); clients loop
-                    waited = await writeback.wait_durable(files, min(timeout, MAX_WAIT_S))
-                    reply = {"ok": True, "waited": waited}
-                except TimeoutError:
-                    if timeout <= MAX_WAIT_S:
-                        raise
-                    reply = {"ok": True, "waited": [], "timed_out": True}
-            else:
-                raise ValueError(f"unknown op {op!r}; known: {', '.join(wire.HINT_OPS)}")
-        except (ValueError, TypeError) as e:  # HintError is a ValueError
-            log.info("control request refused: %s", e)
-            reply = {"ok": False, "error": f"bad request: {e}", "kind": "value"}
-        except OSError as e:
-            reply = {"ok": False, "error": str(e), "kind": "os"}
-        except TimeoutError:
-            reply = {"ok": False, "error": "timed out"}
-        except Exception as e:  # noqa: BLE001 - a control request never harms the daemon
-            reply = {"ok": False, "error": str(e)}
-        return json.dumps(reply).encode() + b"\n"
+                        dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size),
+                        user_share=cfg.user_hint_share, mountpoint=os.fsencode(plan.mountpoint))
+    ctl = ControlCommands(hints=hints, writeback=writeback, tree=tree, meta=meta,
+                          mountpoint=os.fsencode(plan.mountpoint))
 
     def stats_doc() -> dict:
         doc = stats_mod.build(cache=cache, scheduler=scheduler, writeback=writeback, started=started,
@@ -342,6 +309,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["hints"] = hints.statistics()
+        doc["control"] = ctl.statistics()
         return doc
 
     def render_stats() -> bytes:
@@ -421,6 +389,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         writeback.close()
         hints.close()
         cache.close()
+        tree.close()
         for fd in lock_fds:
             os.close(fd)
         if pending:

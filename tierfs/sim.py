@@ -261,7 +261,7 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     if plan is not None:  # tierfs: next-file prediction; with hints also the hints themselves
         hints = HintService(cache=cache, scheduler=sched, backing_root=os.fsencode(backing), meta=inline,
                             chunk_size=CHUNK, write_tier=0, budget=16 * CHUNK,
-                            predict_bytes=4 * CHUNK if prefetching else 0)
+                            predict_bytes=4 * CHUNK if prefetching else 0, pace=False)
     ra = Readahead(CHUNK, 8 * CHUNK, budget=trace.staging_chunks * CHUNK) if prefetching else None
     hits = total = dmiss = 0
     waited = 0.0
@@ -321,6 +321,8 @@ async def _run_policy(trace: Trace, policy: str, root: str) -> dict[str, Any]:
     problems = cache.check()
     for f in files.values():
         f.release()
+    if hints is not None:
+        hints.close()  # its backing tree descriptor
     cache.close()
     out: dict[str, Any] = {"hit_ratio": hits / total if total else 0.0, "backing_bytes": reads["bytes"],
            "deadline_misses": dmiss, "reads": total, "sim_seconds": trio.current_time(),

@@ -35,7 +35,9 @@ Errors
     or non-finite numbers, an empty name, a path inside ``.tierfs/``, the mount root given as a
     file, or a path that enters a tierfs mount and leaves it again (through ``..`` or a symlinked
     directory pointing outside). A refusal by the daemon (``wire.ControlError``) becomes
-    ``ValueError`` (kind "value") or ``OSError`` (kind "os"); a mount that stopped answering
+    ``ValueError`` (kind "value": bad input, or over a request cap), ``PermissionError``
+    (kind "perm": the calling user may not read a path, evict another user's file, or exceed
+    its share) or ``OSError`` (kind "os"); a mount that stopped answering
     (daemon killed, unmounted) raises ``OSError`` naming the mount. Paths that do not exist on a
     mount are reported by the daemon; :func:`need`, :func:`epoch` and :func:`phase` then raise
     ``FileNotFoundError`` listing the first few, *after* the daemon registered the others: the
@@ -589,6 +591,7 @@ class Client:
         self.finder = MountFinder(is_mount_root, negative_ttl_s)
         self.source = source
         self.warned = False
+        self.warned_cap = False  # the MAX_ITEMS warning of epoch(), once per client
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, root: str, req: dict[str, Any]) -> dict[str, Any]:
@@ -600,6 +603,8 @@ class Client:
         except wire.ControlError as e:
             if e.kind == "os":
                 raise OSError(f"tierfs mount {root}: the {op} hint failed: {e}") from e
+            if e.kind == "perm":
+                raise PermissionError(errno.EACCES, f"tierfs mount {root} refused the {op} hint: {e}") from e
             if e.kind == "timeout" or str(e) == "timed out":
                 raise TimeoutError(f"tierfs mount {root}: the {op} request timed out") from e
             raise ValueError(f"tierfs mount {root} refused the {op} hint: {e}") from e
@@ -709,6 +714,20 @@ class Client:
                   label: str, missing_ok: bool) -> NeedHandle:
         """Send one need-like request per mount; a handle for all of them."""
         self._warn_skipped(who, groups)
+        for root, items in groups.items.items():
+            if len(items) <= wire.MAX_ITEMS:
+                continue
+            if who != "epoch":
+                raise ValueError(f"{who}: {len(items)} paths on {root} are over the daemon's MAX_ITEMS "
+                                 f"({wire.MAX_ITEMS}) per request; split them into several calls")
+            # an epoch order is a forecast: its first MAX_ITEMS files are announced (readahead
+            # serves the rest), so samplers over huge datasets keep working
+            if not self.warned_cap:
+                self.warned_cap = True
+                warnings.warn(f"tierfs_hints.epoch: {len(items)} files on {root}; only the first "
+                              f"{wire.MAX_ITEMS} (MAX_ITEMS) are announced (shown once)",
+                              TierfsHintWarning, stacklevel=_stack_level())
+            del items[wire.MAX_ITEMS:]
         ids: list[tuple[str, Any]] = []
         files = nbytes = 0
         missing: list[str] = []

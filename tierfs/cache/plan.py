@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +31,7 @@ ChunkId = tuple[str, int]  # (file identity key, chunk index); same as tierfs.ca
 Rank = tuple[float, int, int, int]
 
 EXPIRE_AFTER_S = 600.0  # a need whose deadline passed this long ago is dropped from the plan
+SWEEP_INLINE = 4096  # a removed need of at most this many chunks is swept out at once (~2 ms)
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,34 @@ class Need:
     missed: bool = False
     at_risk: bool = False  # projected to miss its deadline (reported once)
     finished_at: float | None = None  # when every chunk was first resident or consumed
+    uid: int = 0  # who declared it (the caller of the control request; 0 for the daemon's own)
+    total_bytes: int = -1  # each chunk once, however often the need reads it (-1: computed here)
+    shed: bool = False  # removed from the plan and its chunk lists freed (see :meth:`shed_lists`)
+    removed: bool = False  # left the plan; its occurrences are being swept out (HintPlan.sweep)
+    swept: int = 0  # chunks of it swept so far
 
     def __post_init__(self) -> None:
         if not self.consumed:
             self.consumed = bytearray(len(self.chunks))
-        seen: set[ChunkId] = set()
-        total = 0
-        for cid, size in zip(self.chunks, self.sizes, strict=True):
-            if cid not in seen:
-                seen.add(cid)
-                total += size
-        self.total_bytes = total  # each chunk once, however often the need reads it
+        if self.total_bytes < 0:
+            seen: set[ChunkId] = set()
+            total = 0
+            for cid, size in zip(self.chunks, self.sizes, strict=True):
+                if cid not in seen:
+                    seen.add(cid)
+                    total += size
+            self.total_bytes = total
+
+    def shed_lists(self) -> None:
+        """Free the chunk lists of a need that left the plan (cancelled, replaced, expired,
+        fully read): only its summary stays for late progress queries. A need of 1 M chunks
+        holds ~150 MB; the plan keeps the last 1000 removed needs."""
+        self.shed = True
+        self.chunks = []
+        self.sizes = array("q")
+        self.files = []
+        self.consumed = bytearray()
+        self.cursor = 0
 
     def unique(self) -> Iterator[int]:
         """Indexes of each chunk's first occurrence."""
@@ -131,6 +149,7 @@ class HintPlan:
         self.needs_finished = 0
         self._by_source: dict[tuple[str, str], str] = {}
         self.recent: OrderedDict[str, Need] = OrderedDict()  # removed needs, for late progress queries
+        self._dead: deque[Need] = deque()  # removed needs whose occurrences are still indexed
 
     # -- building ---------------------------------------------------------------------------
     @property
@@ -141,9 +160,18 @@ class HintPlan:
         self._seq += 1
         return f"n{self._seq}"
 
-    def add(self, need: Need, *, replaces_source_kind: str | None = None) -> Need:
+    def replaced_by(self, source: str, kind: str | None) -> Need | None:
+        """The live need that a new one of ``(source, kind)`` would replace, if any."""
+        if kind is None:
+            return None
+        nid = self._by_source.get((source, kind))
+        return self.needs.get(nid) if nid is not None else None
+
+    def add(self, need: Need, *, replaces_source_kind: str | None = None, index: bool = True) -> Need:
         """Register ``need``. With ``replaces_source_kind`` (e.g. "epoch"), the previous need of
-        the same (source, kind) is removed first: each epoch's order replaces the last."""
+        the same (source, kind) is removed first: each epoch's order replaces the last. With
+        ``index=False`` its chunks are indexed later, by :meth:`index` in slices (a need of a
+        million chunks indexed at once holds the event loop ~0.5 s)."""
         if replaces_source_kind is not None:
             old = self._by_source.get((need.source, replaces_source_kind))
             if old is not None:
@@ -152,28 +180,73 @@ class HintPlan:
         self._seq += 1
         need.seq = self._seq
         self.needs[need.id] = need
-        for i, cid in enumerate(need.chunks):
-            self._occ.setdefault(cid, []).append((need, i))
-            self.released.pop(cid, None)  # needed again: no longer "evict first"
+        if index:
+            self.index(need, 0, len(need.chunks))
         self.version += 1
         return need
 
+    def index(self, need: Need, lo: int, hi: int) -> bool:
+        """Index occurrences ``[lo, hi)`` of a need added with ``index=False``. False (and
+        nothing done) if the need left the plan meanwhile."""
+        if self.needs.get(need.id) is not need:
+            return False
+        occ = self._occ
+        released = self.released
+        chunks = need.chunks
+        for i in range(lo, min(hi, len(chunks))):
+            cid = chunks[i]
+            occ.setdefault(cid, []).append((need, i))
+            if released:
+                released.pop(cid, None)  # needed again: no longer "evict first"
+        self.version += 1
+        return True
+
     def remove(self, need_id: str) -> Need | None:
+        """Take a need out of the plan at once (it ranks nothing from now on). Its indexed
+        occurrences are swept out by :meth:`sweep`: here for a small need, else in slices by
+        the caller (removing a need of 500 000 chunks in one pass held the event loop 0.5 s,
+        and an epoch order is replaced at every epoch)."""
         need = self.needs.pop(need_id, None)
         if need is None:
             return None
         self.recent[need_id] = need
         while len(self.recent) > 1000:
             self.recent.popitem(last=False)
-        for cid in set(need.chunks):
-            occ = self._occ.get(cid)
-            if occ is None:
-                continue
-            occ[:] = [o for o in occ if o[0] is not need]
-            if not occ:
-                del self._occ[cid]
+        for key, nid in list(self._by_source.items()):
+            if nid == need_id:
+                del self._by_source[key]
+        need.removed = True
+        self._dead.append(need)
+        if len(need.chunks) <= SWEEP_INLINE:
+            self.sweep(SWEEP_INLINE)
         self.version += 1
         return need
+
+    @property
+    def sweeping(self) -> bool:
+        return bool(self._dead)
+
+    def sweep(self, budget: int) -> bool:
+        """Drop up to ``budget`` chunk occurrences of removed needs from the index, then free
+        the chunk lists of each need done. Returns True while there is more to sweep."""
+        while self._dead and budget > 0:
+            need = self._dead[0]
+            chunks = need.chunks
+            end = min(len(chunks), need.swept + budget)
+            occ_map = self._occ
+            for j in range(need.swept, end):
+                occ = occ_map.get(chunks[j])
+                if occ is None:
+                    continue
+                occ[:] = [o for o in occ if o[0] is not need]
+                if not occ:
+                    del occ_map[chunks[j]]
+            budget -= end - need.swept
+            need.swept = end
+            if end >= len(chunks):
+                self._dead.popleft()
+                need.shed_lists()
+        return bool(self._dead)
 
     def cancel(self, need_id: str) -> bool:
         need = self.remove(need_id)
@@ -188,7 +261,8 @@ class HintPlan:
         n = 0
         for cid in cids:
             for need, i in self._occ.pop(cid, []):
-                need.consumed[i] = 1
+                if not need.removed:
+                    need.consumed[i] = 1
             self.released[cid] = None
             n += 1
         self.version += 1
@@ -206,7 +280,7 @@ class HintPlan:
             return None
         best: Rank | None = None
         for need, i in occ:
-            if not need.consumed[i]:
+            if not need.removed and not need.consumed[i]:
                 r = need.rank(i)
                 if best is None or r < best:
                     best = r
@@ -226,7 +300,7 @@ class HintPlan:
             return False
         best: tuple[Need, int] | None = None
         for need, i in occ:
-            if not need.consumed[i] and (best is None or need.rank(i) < best[0].rank(best[1])):
+            if not need.removed and not need.consumed[i] and (best is None or need.rank(i) < best[0].rank(best[1])):
                 best = (need, i)
         if best is None:
             return False
@@ -253,6 +327,13 @@ class HintPlan:
         missed their deadline in this call (each is reported once)."""
         missed = []
         for need in list(self.needs.values()):
+            if need.cursor >= len(need.chunks):
+                # every occurrence read: it ranks nothing any more; free it
+                if need.finished_at is None:
+                    need.finished_at = now
+                    self.needs_finished += 1
+                self.remove(need.id)
+                continue
             if need.finished_at is not None and not need.missed:
                 if now > need.deadline + EXPIRE_AFTER_S:
                     self.remove(need.id)

@@ -9,9 +9,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from tierfs.access import Caller
 from tierfs.fs.inodes import FIRST_CONTROL_FILE
+from tierfs_hints import wire
 
-Command = Callable[[bytes], Awaitable[bytes]]
+# A command gets the request line and the credentials of whoever opened the control file
+# (an open descriptor is a capability, as in Unix: see tierfs.access).
+Command = Callable[[bytes, Caller], Awaitable[bytes]]
 
 
 @dataclass(frozen=True)
@@ -26,9 +30,15 @@ class ControlFile:
     command: Command | None = None
 
 
+# Bytes of requests held at once over every open command file (collected, or being answered):
+# four maximal requests. Beyond it a write fails (EFBIG) and the reply says so.
+MAX_PENDING_BYTES = 4 * wire.MAX_REQUEST_BYTES
+
+
 class ControlPlane:
     def __init__(self, files: dict[str, Callable[[], bytes]],
                  commands: dict[str, Command] | None = None) -> None:
+        self.pending_bytes = 0  # see MAX_PENDING_BYTES
         self.by_name: dict[bytes, ControlFile] = {}
         self.by_inode: dict[int, ControlFile] = {}
         items: list[tuple[str, Callable[[], bytes], Command | None]] = [

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from tierfs.access import Caller
 from tierfs.cache.manager import AccessState
 from tierfs.predict.readahead import ReadaheadState
 from tierfs.sched.backing import BackingFile
@@ -38,6 +39,10 @@ class ControlHandle:
     name: bytes = b""
     request: bytearray = field(default_factory=bytearray)
     answered: trio.Event | None = None  # set when the reply to the last request is in ``data``
+    # The opener's uid, gid, supplementary groups and pid, taken at open (FUSE gives a write
+    # no request context): every request written to this handle acts with them.
+    caller: Caller | None = None
+    overflow: bool = False  # the request being collected went over its cap: dropped to its newline
 
 
 @dataclass(eq=False)

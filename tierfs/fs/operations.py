@@ -22,6 +22,7 @@ Kernel caching, chosen for correctness first:
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -33,9 +34,11 @@ from typing import Any
 import pyfuse3
 import trio
 
+from tierfs import logevents
+from tierfs.access import caller_of
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
-from tierfs.fs.control import ControlPlane
+from tierfs.fs.control import MAX_PENDING_BYTES, ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
@@ -649,7 +652,10 @@ class Operations(pyfuse3.Operations):
             if inode in self.control.by_inode:
                 cf = self.control.by_inode[inode]
                 data = b"" if cf.command else cf.render()
-                h = ControlHandle(data, name=cf.name)
+                # A write carries no request context: a command acts with the opener's
+                # credentials, taken now (tierfs.access; one procfs read, ~20 us)
+                caller = caller_of(ctx.uid, ctx.gid, ctx.pid) if cf.command else None
+                h = ControlHandle(data, name=cf.name, caller=caller)
                 return pyfuse3.FileInfo(fh=self.handles.add(h), direct_io=True)
             entry = self.inodes.get(inode)
             writer = bool(flags & _WRITE_FLAGS)
@@ -785,6 +791,9 @@ class Operations(pyfuse3.Operations):
 
     async def release(self, fh):  # type: ignore[no-untyped-def,override]
         h = self.handles.pop(fh)
+        if isinstance(h, ControlHandle):
+            self.control.pending_bytes -= len(h.request)  # a request never finished
+            h.request = bytearray()
         if isinstance(h, FileHandle):
             self.readahead.forget(h.readahead)
             self.cache.forget_access(h.access)
@@ -796,21 +805,48 @@ class Operations(pyfuse3.Operations):
     # -- control commands --------------------------------------------------------------------
     async def _control_write(self, h: ControlHandle, buf: bytes) -> int:
         cf = self.control.by_name[h.name]
-        if cf.command is None:
+        if cf.command is None or h.caller is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        if h.overflow:
+            # the rest of a request that went over its cap: dropped up to its newline
+            h.overflow = b"\n" not in buf
+            raise pyfuse3.FUSEError(errno.EFBIG)
+        if h.answered is not None and not h.answered.is_set():
+            raise pyfuse3.FUSEError(errno.EBUSY)  # one request at a time per descriptor
+        n = len(buf)
+        if len(h.request) + n > wire.MAX_REQUEST_BYTES or self.control.pending_bytes + n > MAX_PENDING_BYTES:
+            # Cut off here, not at the newline: a request line used to grow without limit
+            # (2.25 GiB of daemon memory, never returned). The reply names the cap.
+            if len(h.request) + n > wire.MAX_REQUEST_BYTES:
+                error = (f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} bytes); "
+                         "send fewer paths per request")
+            else:
+                error = (f"the daemon already holds {self.control.pending_bytes} bytes of requests "
+                         f"(MAX_PENDING_BYTES {MAX_PENDING_BYTES}); retry later")
+            self.control.pending_bytes -= len(h.request)
+            h.request = bytearray()
+            h.overflow = not buf.endswith(b"\n")
+            h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
+            h.answered = None
+            logevents.event(log, logging.INFO, f"ctl-refused:{h.caller.uid}",
+                            "control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
+            raise pyfuse3.FUSEError(errno.EFBIG)
         h.request += buf
+        self.control.pending_bytes += n
         if h.request.endswith(b"\n"):
             # The write returns at once and the reply is read back when ready: the kernel holds
             # the file's inode lock during a FUSE write, so a command answered inside the write
             # (a 10 s "wait") would hold up every other client's request behind it.
-            request = bytes(h.request)
-            h.request.clear()
+            request, h.request = h.request, bytearray()  # handed over, not copied
+            size = len(request)
             answered = h.answered = trio.Event()
+            caller = h.caller
 
             async def answer() -> None:
                 try:
-                    h.data = await cf.command(request)  # type: ignore[misc]
+                    h.data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
                 finally:
+                    self.control.pending_bytes -= size
                     answered.set()
 
             if self.nursery is None:

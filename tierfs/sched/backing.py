@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 import xxhash
 
 
+def key_path(root: bytes, rel: bytes) -> str:
+    """The path an :class:`Identity` carries for the file at canonical relative path ``rel``
+    under the backing root ``root`` (bytes, as given at mount). The read path and the hint
+    service both build it here, from the same canonical relative path, so that a hinted
+    file's key is the key its reads look up (a realpath on one side and not the other made
+    them differ whenever the backing path contained a symlink)."""
+    return os.fsdecode(root + b"/" + rel if rel else root)
+
+
 @dataclass(frozen=True)
 class Identity:
     """What makes cached bytes valid: a change of any field is a different file (design
