@@ -42,10 +42,9 @@ FILE_MODE = 0o600
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class PrivateStateError(MountError, OSError):
+class PrivateStateError(MountError):
     """A tier or state directory (or a file in one) that others could read or have changed.
-    The message names the path and the command that fixes it. A MountError at mount time; an
-    OSError too, for the callers of a tier's I/O, which fall back on OSError."""
+    The message names the path and the command that fixes it."""
 
 
 def euid() -> int:

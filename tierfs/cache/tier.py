@@ -10,6 +10,7 @@ inline (tmpfs) or in the tier's device thread.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections import OrderedDict
@@ -138,7 +139,10 @@ class Tier:
         sub = key[:2]
         fd = self._buckets.get(sub)
         if fd is None:
-            fd = private.subdir(self.data_fd, sub)
+            try:
+                fd = private.subdir(self.data_fd, sub)
+            except private.PrivateStateError as e:  # at I/O time, an OSError: callers fall back
+                raise OSError(errno.EPERM, str(e)) from None
             self._buckets[sub] = fd
         return fd
 
@@ -219,7 +223,7 @@ class Tier:
             try:
                 fd = private.subdir(self.data_fd, sub)
             except (OSError, private.PrivateStateError):
-                continue  # not a bucket directory
+                continue  # not a bucket directory of ours: its files are not counted
             try:
                 out.extend(os.listdir(fd))
             finally:
