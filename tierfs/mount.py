@@ -291,9 +291,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     lock_fds: list[int] = []
     ssd_catalog: SsdCatalog | None = None
     for tp in plan.tiers:
-        if tp.name == "ram":  # <ram_dir>/tierfs: created or verified private first
-            os.close(private.open_dir(os.path.dirname(tp.path)))
-        tier = Tier(tp.name, tp.path, tp.capacity, inline=tp.name == "ram")
+        dir_fd = None
+        if tp.name == "ram":  # <ram_dir>/tierfs/<id>: both levels created or verified private
+            dir_fd = private.open_in(os.path.dirname(tp.path), os.path.basename(tp.path))
+        tier = Tier(tp.name, tp.path, tp.capacity, inline=tp.name == "ram", dir_fd=dir_fd)
         tiers.append(tier)
         lock_fds.append(private.lock(tier.dir_fd, tp.path))
         if tp.name == "ram":

@@ -75,13 +75,15 @@ class Tier:
         path: the tier's directory (created 0700 if missing); data lives in ``path/data``.
         capacity: bytes.
         inline: reads may run on the event loop (a tmpfs tier).
+        dir_fd: ``path`` already opened and verified by the caller (the tier takes it over).
 
     Raises:
         PrivateStateError: ``path`` exists and is a symlink, another user's, or accessible to
             others.
     """
 
-    def __init__(self, name: str, path: str, capacity: int, *, inline: bool) -> None:
+    def __init__(self, name: str, path: str, capacity: int, *, inline: bool,
+                 dir_fd: int | None = None) -> None:
         self.name = name
         self.path = path
         self.capacity = capacity
@@ -99,7 +101,7 @@ class Tier:
         self.evictions = 0
         self.errors = 0
         self.full_events = 0
-        self.dir_fd = private.open_dir(path)
+        self.dir_fd = private.open_dir(path) if dir_fd is None else dir_fd
         self.data_fd = private.subdir(self.dir_fd, "data", os.path.join(path, "data"))
         self._buckets: dict[str, int] = {}  # data/<xx>/ directory fds (at most 256)
         self._fds: OrderedDict[str, _OpenFile] = OrderedDict()
