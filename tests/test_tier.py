@@ -12,6 +12,7 @@ import pytest
 from tierfs import io, private
 from tierfs.cache import tier as tier_mod
 from tierfs.cache.tier import Tier
+from tierfs.errors import MountError
 
 
 def test_evicting_a_descriptor_in_use_does_not_close_it_under_its_user(tmp_path: Path, monkeypatch) -> None:
@@ -94,3 +95,47 @@ def test_remove_never_follows_a_symlink(tmp_path: Path) -> None:
         os.close(fd)
     assert (tmp_path / "keep" / "f").exists()
     assert not os.path.lexists(tmp_path / "p" / "data")
+
+
+def test_open_file_replaces_a_hard_link_and_a_fifo(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    fd = private.open_dir(str(tmp_path / "p"))
+    try:
+        os.link(outside, "linked", dst_dir_fd=fd)
+        os.mkfifo("fifo", dir_fd=fd)
+        for name in ("linked", "fifo"):
+            f = private.open_file(fd, name, os.O_RDWR)
+            try:
+                os.write(f, b"new")
+                st = os.fstat(f)
+                assert stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+                assert stat.S_IMODE(st.st_mode) == 0o600
+            finally:
+                os.close(f)
+        with pytest.raises(FileExistsError):
+            private.create_file(fd, "linked")
+    finally:
+        os.close(fd)
+    assert outside.read_bytes() == b"keep"
+
+
+def test_open_log_refuses_a_symlink_and_creates_0600(tmp_path: Path) -> None:
+    (tmp_path / "target").write_bytes(b"")
+    os.symlink(tmp_path / "target", tmp_path / "link.log")
+    with pytest.raises(MountError, match="symlink"):
+        private.open_log(str(tmp_path / "link.log"))
+    os.close(private.open_log(str(tmp_path / "new.log")))
+    assert stat.S_IMODE((tmp_path / "new.log").stat().st_mode) == 0o600
+
+
+def test_state_parent_made_0755_by_an_older_version_is_tightened_not_refused(tmp_path: Path) -> None:
+    parent = tmp_path / "run-tierfs"
+    parent.mkdir(mode=0o755)
+    os.chmod(parent, 0o755)
+    os.close(private.open_in(str(parent), "abc"))
+    assert stat.S_IMODE(parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((parent / "abc").stat().st_mode) == 0o700
+    os.chmod(parent, 0o777)  # writable by others: someone may have planted something
+    with pytest.raises(private.PrivateStateError, match="chmod 700"):
+        private.open_in(str(parent), "abc")
