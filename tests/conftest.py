@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -88,9 +87,9 @@ def force_unmount(m: Mount) -> None:
                 pass
         # A killed daemon leaves its RAM tier in /dev/shm (on purpose: a RAM write tier's dirty
         # files must survive it); a test's mountpoint is never mounted again, so remove it.
-        from tierfs.mount import mount_id
+        from tierfs.mount import ram_tier_path, remove_ram_tier
 
-        shutil.rmtree(f"/dev/shm/tierfs-{mount_id(str(m.mnt))}", ignore_errors=True)
+        remove_ram_tier(ram_tier_path("/dev/shm", str(m.mnt)), keep_dirty=False)
     assert not is_mounted(m.mnt), f"{m.mnt} is still mounted"
 
 

@@ -404,7 +404,7 @@ def test_c09_o_trunc_shorter_overwrite(tiermount, tmp_path: Path) -> None:
 def test_c09_no_old_bytes_left_in_the_tiers(tiermount) -> None:
     """C09 "Expected": after a truncating overwrite of a cached file and write-back, no old
     byte survives in $CACHE (the tier directories) either."""
-    from tierfs.mount import mount_id
+    from tierfs.mount import ram_tier_path
 
     m = tiermount(ram="64MiB", ssd="128MiB")
     c = m.mnt / "c"
@@ -416,7 +416,7 @@ def test_c09_no_old_bytes_left_in_the_tiers(tiermount) -> None:
         f.write(b"y")
     flush(m)
     assert c.read_bytes() == b"y"
-    tiers = [m.ssd, Path(f"/dev/shm/tierfs-{mount_id(str(m.mnt))}")]
+    tiers = [m.ssd, Path(ram_tier_path("/dev/shm", str(m.mnt)))]
     assert [h for t in tiers for h in _grep_tree(t, OLD)] == []
 
 

@@ -214,12 +214,12 @@ def test_cli_entry_point_runs() -> None:
 
 
 def test_umount_of_dead_daemon_frees_its_ram_tier(tiermount, tmp_path: Path) -> None:
-    from tierfs.mount import mount_id
+    from tierfs.mount import ram_tier_path
 
     write_random(tmp_path / "back" / "x", 3 * MiB)
     m = tiermount(ram="32MiB")
     assert (m.mnt / "x").read_bytes()
-    ram_dir = Path(f"/dev/shm/tierfs-{mount_id(str(m.mnt))}")
+    ram_dir = Path(ram_tier_path("/dev/shm", str(m.mnt)))
     assert ram_dir.exists()
     m.kill9()
     r = tierfs_cmd("umount", str(m.mnt))

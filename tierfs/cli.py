@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from tierfs import logevents
+from tierfs import logevents, private
 from tierfs.config import Config, effective, load_toml, parse_mount_options, resolve
 from tierfs.errors import ConfigError, MountError, TierfsError
 from tierfs.units import format_size
@@ -61,11 +61,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     plan = mount_mod.plan_mount(cfg)
     if args.foreground or args.ready_fd is not None:
         return _run_daemon(plan, args.ready_fd)
-    os.makedirs(plan.state_dir, exist_ok=True)
+    os.close(mount_mod.open_state_dir(plan.state_dir))  # private: 0700, verified
     log_path = logevents.stdio_path(cfg.log_file, plan.state_dir)
     r, w = os.pipe()
     argv = [sys.executable, "-m", "tierfs", *args.raw_argv, "--ready-fd", str(w)]
-    with open(log_path, "ab") as logf:
+    with os.fdopen(private.open_log(log_path), "ab") as logf:
         proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf,
                                 stderr=logf, start_new_session=True, close_fds=True)
     os.close(w)
@@ -99,7 +99,9 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
     from tierfs import mount as mount_mod
 
     cfg = plan.cfg
-    os.umask(0)  # modes come from the callers (the kernel has applied their umask)
+    # Defense in depth: whatever tierfs creates is private unless given a mode explicitly (files
+    # created for users get their exact mode with fchmod; tierfs' own state is 0600/0700 anyway)
+    os.umask(0o077)
     _setup_logging(cfg.log_level, cfg.log_file or None)
     said = False
 

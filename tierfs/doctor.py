@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tierfs import private
 from tierfs.units import format_size
 from tierfs_hints import wire
 
@@ -74,7 +75,7 @@ def _log_tail(path: str, n: int = 3) -> str:
 
 
 def _check_dead(mnt: str, why: str) -> list[Finding]:
-    from tierfs.mount import mount_id, state_dir_for
+    from tierfs.mount import ram_tier_path, state_dir_for
 
     log_path = os.path.join(state_dir_for(mnt), "daemon.log")
     out = [Finding("problem", "mount",
@@ -83,7 +84,7 @@ def _check_dead(mnt: str, why: str) -> list[Finding]:
                    f"cleans up the dead mount, reuses the SSD tier and writes back what was not "
                    f"written back yet), or `tierfs umount {mnt}`. Last lines of {log_path}:"
                    + (_log_tail(log_path) or " (none)"))]
-    journal = os.path.join("/dev/shm", "tierfs-" + mount_id(mnt), "journal.sqlite")
+    journal = os.path.join(ram_tier_path("/dev/shm", mnt), "journal.sqlite")
     if os.path.exists(journal):
         n = _journal_rows(journal)
         if n:
@@ -104,6 +105,18 @@ def _journal_rows(path: str) -> int:
         return 0
 
 
+def _check_private(check: str, paths: list[str]) -> list[Finding]:
+    """A problem for each of ``paths`` (tier or state directories) that others could read or
+    change (see tierfs.private); a mount would refuse it."""
+    out = []
+    for p in paths:
+        why = private.problem(p)
+        if why:
+            out.append(Finding("problem", check, f"not private: {why}. Until fixed, other users may "
+                                                 "read or change cached data, and the next mount refuses it"))
+    return out
+
+
 def _check_tier(t: dict[str, Any]) -> list[Finding]:
     name, path = t["name"], t["path"]
     check = f"tier {name}"
@@ -120,9 +133,10 @@ def _check_tier(t: dict[str, Any]) -> list[Finding]:
                            f"from {format_size(cap)} to {format_size(eff)} (reads still work, from "
                            "the backing store). Free space there, or give the tier a size that "
                            "fits (--ram SIZE, --ssd DIR:SIZE); it grows back as space frees"))
+    out += _check_private(check, [path, os.path.join(path, "data"), os.path.join(path, "dirty")])
     probe = os.path.join(path, f".doctor-{os.getpid()}")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, b"\0" * 4096)
             os.fsync(fd)
@@ -276,6 +290,8 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
                                   f"(up {doc['uptime_s']:.0f}s; log: {log_file})")]
     for t in doc["tiers"]:
         out += _check_tier(t)
+    state = state_dir_for(mnt)
+    out += _check_private("state", [os.path.dirname(state), state])
     wb = doc.get("writeback") or {}
     write_tier = next((t for t in doc["tiers"] if t["name"] == wb.get("write_tier")), None)
     if write_tier is not None:

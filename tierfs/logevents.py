@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from tierfs import private
 from tierfs.errors import MountError
 
 EVENT_INTERVAL_S = 60.0  # at most one line per kind of repeated event per minute
@@ -60,7 +61,8 @@ def handler_for(target: str | None) -> logging.Handler:
     """The log handler for a ``log_file`` value (see the module docstring).
 
     Raises:
-        OSError: the file cannot be opened, or the syslog socket does not exist.
+        OSError: the syslog socket does not exist.
+        MountError: the file cannot be opened, or is a symlink or not the daemon's user's.
     """
     if target and (target == "syslog" or target.startswith("syslog:")):
         address = target.partition(":")[2] or SYSLOG_DEFAULT
@@ -70,7 +72,8 @@ def handler_for(target: str | None) -> logging.Handler:
         h.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
         return h
     if target and target != "stderr":
-        h = logging.FileHandler(target)
+        # created 0600, never through a symlink (tierfs.private.open_log)
+        h = logging.StreamHandler(os.fdopen(private.open_log(target), "a", buffering=1))
         h.setFormatter(logging.Formatter(_FORMAT))
         return h
     h = logging.StreamHandler(sys.stderr)

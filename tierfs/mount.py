@@ -7,7 +7,6 @@ session, the tiers' catalogs, the RAM tier's memory). ``trio.run`` is only calle
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import pyfuse3
 import trio
 import xxhash
 
-from tierfs import io, logevents
+from tierfs import io, logevents, private
 from tierfs import stats as stats_mod
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.catalog import SsdCatalog
@@ -74,8 +73,39 @@ def mount_id(mountpoint: str) -> str:
 
 
 def state_dir_for(mountpoint: str) -> str:
+    """The daemon's state directory (its log when logging to stderr or syslog):
+    ``/run/tierfs/<id>``, or ``/tmp/tierfs/<id>`` where ``/run`` is not writable. Both levels
+    are private to the daemon's user (see :func:`open_state_dir`)."""
     base = "/run/tierfs" if os.access("/run", os.W_OK) else "/tmp/tierfs"
     return os.path.join(base, mount_id(mountpoint))
+
+
+def open_state_dir(state_dir: str) -> int:
+    """Create or verify the state directory and its parent, private (0700, the daemon's user,
+    no symlink). Returns its descriptor. Raises PrivateStateError (a MountError) or MountError."""
+    return private.open_in(os.path.dirname(state_dir), os.path.basename(state_dir))
+
+
+RAM_PARENT = "tierfs"  # <ram_dir>/tierfs/: private (0700), holds one directory per mount
+
+
+def ram_tier_path(ram_dir: str, mountpoint: str) -> str:
+    """``<ram_dir>/tierfs/<id>``: the RAM tier of the mount on ``mountpoint``. The name is
+    predictable (a restarted daemon finds a RAM write tier's dirty files), so the parent is
+    private and verified: nobody else can plant or remove anything in it."""
+    return os.path.join(ram_dir, RAM_PARENT, mount_id(mountpoint))
+
+
+def remove_ram_tier(path: str, *, keep_dirty: bool) -> None:
+    """Free a RAM tier's memory: its cached data, and (unless ``keep_dirty`` and a journal is
+    there) the whole tier directory, then ``<ram_dir>/tierfs`` if no other mount uses it.
+    Everything is removed relative to verified descriptors, never through a redirected path."""
+    private.remove_dir(path, "data")
+    if keep_dirty and os.path.exists(os.path.join(path, "journal.sqlite")):
+        return
+    parent = os.path.dirname(path)
+    private.remove_dir(parent, os.path.basename(path))
+    private.remove_dir(os.path.dirname(parent), os.path.basename(parent), only_if_empty=True)
 
 
 def mount_entry(path: str) -> tuple[str, str] | None:
@@ -106,20 +136,25 @@ def unmount(path: str, *, lazy: bool = False) -> bool:
 def free_dead_ram_tier(mountpoint: str, ram_dir: str = "/dev/shm") -> bool:
     """After a daemon died: remove its RAM tier's cached data (it holds memory), unless a live
     daemon holds the tier or it has dirty files waiting for write-back (their journal is there;
-    the next mount writes them back). Returns True if memory was freed."""
-    path = os.path.join(ram_dir, "tierfs-" + mount_id(mountpoint))
+    the next mount writes them back). A tier directory that is not private to us (a symlink,
+    another user's) is never touched. Returns True if memory was freed."""
+    path = ram_tier_path(ram_dir, mountpoint)
     if not os.path.isdir(path):
         return False
     try:
-        lock = _lock_tier_dir(path)
+        fd = private.open_in(os.path.dirname(path), os.path.basename(path))
     except MountError:
+        return False  # not ours: leave it alone
+    try:
+        lock = private.lock(fd, path)
+    except (MountError, OSError):
+        os.close(fd)
         return False  # a live daemon uses it
     try:
-        shutil.rmtree(os.path.join(path, "data"), ignore_errors=True)
-        if not os.path.exists(os.path.join(path, "journal.sqlite")):
-            shutil.rmtree(path, ignore_errors=True)
+        remove_ram_tier(path, keep_dirty=True)
     finally:
         os.close(lock)
+        os.close(fd)
     return True
 
 
@@ -154,6 +189,23 @@ def _fs_size(path: str) -> int:
     return sv.f_blocks * sv.f_frsize
 
 
+def _inside(path: str, top: str) -> bool:
+    path, top = os.path.realpath(path), os.path.realpath(top)
+    return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def _check_outside(what: str, path: str, backing: str, mountpoint: str) -> None:
+    """A tier inside the backing directory would be served through the mount (to every user
+    who can read there); one inside the mountpoint would be hidden by it.
+
+    Raises:
+        MountError: naming the tier and where it is."""
+    for top, name in ((backing, "the backing directory"), (mountpoint, "the mountpoint")):
+        if _inside(path, top):
+            raise MountError(f"the {what} ({path}) must not be inside {name} ({top}): "
+                             "choose a directory outside both")
+
+
 def plan_mount(cfg: Config) -> MountPlan:
     """Validate a configuration against the machine. Raises MountError / ConfigError."""
     backing = os.path.abspath(cfg.backing)
@@ -175,16 +227,14 @@ def plan_mount(cfg: Config) -> MountPlan:
         if ram > _fs_size(cfg.ram_dir):
             raise MountError(f"RAM tier of {format_size(ram)} is larger than its filesystem "
                              f"{cfg.ram_dir} ({format_size(_fs_size(cfg.ram_dir))})")
-        tiers.append(TierPlan("ram", os.path.join(cfg.ram_dir, "tierfs-" + mount_id(mountpoint)), ram))
+        ram_path = ram_tier_path(os.path.abspath(cfg.ram_dir), mountpoint)
+        _check_outside("RAM tier", ram_path, backing, mountpoint)
+        tiers.append(TierPlan("ram", ram_path, ram))
     if cfg.ssd is not None:
         path, size = cfg.ssd
         path = os.path.abspath(path)
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise MountError(f"SSD tier directory {path}: {e.strerror}") from None
-        if os.path.realpath(path).startswith(os.path.realpath(mountpoint) + os.sep):
-            raise MountError("the SSD tier must not be inside the mountpoint")
+        _check_outside("SSD tier", path, backing, mountpoint)
+        os.close(private.open_dir(path))  # created 0700 if missing; verified private if not
         if size is None:
             size = default_ssd_size(path)
         if size > _fs_size(path):
@@ -225,14 +275,12 @@ def _set_kernel_readahead(mountpoint: str, kb: int) -> str:
     return bdi
 
 
-def _lock_tier_dir(path: str) -> int:
-    fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise MountError(f"tier directory {path} is in use by another tierfs daemon") from None
-    return fd
+def _private_db(tier: Tier, name: str) -> str:
+    """The path of the sqlite file ``name`` in ``tier``'s directory, created private (0600,
+    ``O_EXCL|O_NOFOLLOW``) or verified, named through the tier's descriptor. sqlite creates its
+    ``-wal`` and ``-shm`` files with the database's mode and owner."""
+    os.close(private.open_file(tier.dir_fd, name))
+    return private.fd_path(tier.dir_fd, name)
 
 
 async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
@@ -245,14 +293,16 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     lock_fds: list[int] = []
     ssd_catalog: SsdCatalog | None = None
     for tp in plan.tiers:
-        os.makedirs(tp.path, exist_ok=True)
-        lock_fds.append(_lock_tier_dir(tp.path))
-        tier = Tier(tp.name, tp.path, tp.capacity, inline=tp.name == "ram")
+        dir_fd = None
+        if tp.name == "ram":  # <ram_dir>/tierfs/<id>: both levels created or verified private
+            dir_fd = private.open_in(os.path.dirname(tp.path), os.path.basename(tp.path))
+        tier = Tier(tp.name, tp.path, tp.capacity, inline=tp.name == "ram", dir_fd=dir_fd)
+        tiers.append(tier)
+        lock_fds.append(private.lock(tier.dir_fd, tp.path))
         if tp.name == "ram":
             tier.wipe()  # a RAM tier never outlives its daemon
         else:
-            ssd_catalog = SsdCatalog(os.path.join(tp.path, "catalog.sqlite"))
-        tiers.append(tier)
+            ssd_catalog = SsdCatalog(_private_db(tier, "catalog.sqlite"))
         devices.append(io.Device(tp.name, 4))
     backing_dev = io.Device("backing", cfg.depth)
     meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S)
@@ -282,7 +332,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
-        scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
+        scheduler=scheduler, journal=Journal(_private_db(tiers[wt], "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
         # fsync waits for the backing store
@@ -398,7 +448,5 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         for tp in plan.tiers:
             if tp.name == "ram":
                 # cached data is freed; dirty files (and their journal) stay for the next mount
-                shutil.rmtree(os.path.join(tp.path, "data"), ignore_errors=True)
-                if not pending:
-                    shutil.rmtree(tp.path, ignore_errors=True)
+                remove_ram_tier(tp.path, keep_dirty=bool(pending))
         log.info("unmounted %s%s", plan.mountpoint, "" if unmounted_cleanly else " (after an error)")

@@ -10,17 +10,30 @@ inline (tmpfs) or in the tier's device thread.
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tierfs import io
+from tierfs import io, private
 from tierfs.errors import TierIOError
 
 BLOCK = 4096
 MAX_OPEN_FDS = 256  # per tier; more distinct cached files than this reopen on demand
+
+
+@dataclass
+class _OpenFile:
+    """A cached tier-file descriptor. ``users``: calls using it now (in any thread); an evicted
+    or removed entry is closed by its last user (``doomed``), never under a user's feet, where
+    the number could already name another file."""
+
+    fd: int
+    users: int = 0
+    doomed: bool = False
 
 
 def blocks(length: int) -> int:
@@ -50,14 +63,27 @@ class TierStats:
 class Tier:
     """One tier. ``capacity`` bytes are never exceeded: :meth:`reserve` refuses first.
 
+    The tier directory is private (see :mod:`tierfs.private`): opened once, verified (owned by
+    the daemon's user, mode 0700, not a symlink), and every file in it is created and opened
+    relative to that descriptor with ``O_NOFOLLOW`` (``O_EXCL`` when new). A tier file that
+    exists already (an SSD tier's data from an earlier mount) is used only if it is a regular
+    file of the daemon's user with one link; anything else under its name is removed and the
+    file created anew.
+
     Args:
         name: ``"ram"`` or ``"ssd"``.
-        path: the tier's directory (created if missing); data lives in ``path/data``.
+        path: the tier's directory (created 0700 if missing); data lives in ``path/data``.
         capacity: bytes.
         inline: reads may run on the event loop (a tmpfs tier).
+        dir_fd: ``path`` already opened and verified by the caller (the tier takes it over).
+
+    Raises:
+        PrivateStateError: ``path`` exists and is a symlink, another user's, or accessible to
+            others.
     """
 
-    def __init__(self, name: str, path: str, capacity: int, *, inline: bool) -> None:
+    def __init__(self, name: str, path: str, capacity: int, *, inline: bool,
+                 dir_fd: int | None = None) -> None:
         self.name = name
         self.path = path
         self.capacity = capacity
@@ -75,9 +101,10 @@ class Tier:
         self.evictions = 0
         self.errors = 0
         self.full_events = 0
-        self.data_dir = os.path.join(path, "data")
-        os.makedirs(self.data_dir, exist_ok=True)
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self.dir_fd = private.open_dir(path) if dir_fd is None else dir_fd
+        self.data_fd = private.subdir(self.dir_fd, "data", os.path.join(path, "data"))
+        self._buckets: dict[str, int] = {}  # data/<xx>/ directory fds (at most 256)
+        self._fds: OrderedDict[str, _OpenFile] = OrderedDict()
         self._fd_lock = threading.Lock()  # fds are used from the event loop and device threads
 
     # -- accounting -------------------------------------------------------------------------
@@ -105,37 +132,67 @@ class Tier:
 
     # -- files -----------------------------------------------------------------------------
     def file_path(self, key: str) -> str:
-        return os.path.join(self.data_dir, key[:2], key)
+        """A path naming the tier file of ``key`` through the tier's verified descriptor (for
+        ``stat``); valid while the tier is open."""
+        return private.fd_path(self.data_fd, f"{key[:2]}/{key}")
 
-    def _fd(self, key: str, create: bool) -> int:
+    def _bucket(self, key: str) -> int:
+        """The fd of ``data/<key[:2]>`` (created if missing). Called with ``_fd_lock`` held."""
+        sub = key[:2]
+        fd = self._buckets.get(sub)
+        if fd is None:
+            try:
+                fd = private.subdir(self.data_fd, sub)
+            except private.PrivateStateError as e:  # at I/O time, an OSError: callers fall back
+                raise OSError(errno.EPERM, str(e)) from None
+            self._buckets[sub] = fd
+        return fd
+
+    @contextmanager
+    def _use(self, key: str, create: bool) -> Iterator[int]:
+        """The descriptor of the tier file of ``key``, held open while the block runs (another
+        thread may evict it from the cache meanwhile: it is closed after the block).
+        ``create``: create it if missing. Raises OSError."""
         with self._fd_lock:
-            fd = self._fds.get(key)
-            if fd is not None:
+            ent = self._fds.get(key)
+            if ent is not None:
                 self._fds.move_to_end(key)
-                return fd
-            path = self.file_path(key)
-            if create:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             else:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            self._fds[key] = fd
-            while len(self._fds) > MAX_OPEN_FDS:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+                ent = _OpenFile(private.open_file(self._bucket(key), key, os.O_RDWR, create=create))
+                self._fds[key] = ent
+                while len(self._fds) > MAX_OPEN_FDS:
+                    _, old = self._fds.popitem(last=False)
+                    self._drop(old)
+            ent.users += 1
+        try:
+            yield ent.fd
+        finally:
+            with self._fd_lock:
+                ent.users -= 1
+                if ent.doomed and ent.users == 0:
+                    os.close(ent.fd)
+
+    @staticmethod
+    def _drop(ent: _OpenFile) -> None:
+        """Close a descriptor taken out of the cache, now or by its last user. ``_fd_lock``."""
+        if ent.users:
+            ent.doomed = True
+        else:
+            os.close(ent.fd)
 
     def write(self, key: str, offset: int, data: bytes | memoryview) -> None:
         """Store ``data`` at ``offset`` of the tier file of ``key``. Raises TierIOError."""
         try:
-            io.pwrite_all(self._fd(key, create=True), data, offset)
+            with self._use(key, create=True) as fd:
+                io.pwrite_all(fd, data, offset)
         except OSError as e:
             raise TierIOError(self.name, e) from e
 
     def read(self, key: str, offset: int, length: int) -> bytes:
         """Read cached bytes. Raises TierIOError (the caller falls back)."""
         try:
-            data = io.pread_exact(self._fd(key, create=False), length, offset)
+            with self._use(key, create=False) as fd:
+                data = io.pread_exact(fd, length, offset)
         except OSError as e:
             raise TierIOError(self.name, e) from e
         if len(data) != length:
@@ -145,44 +202,62 @@ class Tier:
     def punch(self, key: str, offset: int, length: int) -> None:
         """Free a chunk's blocks. Best effort: a failure is counted, never raised."""
         try:
-            io.punch_hole(self._fd(key, create=False), offset, blocks(length))
+            with self._use(key, create=False) as fd:
+                io.punch_hole(fd, offset, blocks(length))
         except OSError:
             self.errors += 1
 
     def remove_file(self, key: str) -> None:
         with self._fd_lock:
-            fd = self._fds.pop(key, None)
-            if fd is not None:
-                os.close(fd)
-        try:
-            os.unlink(self.file_path(key))
-        except FileNotFoundError:
-            pass
-        except OSError:
-            self.errors += 1
+            ent = self._fds.pop(key, None)
+            if ent is not None:
+                self._drop(ent)
+            try:
+                os.unlink(key, dir_fd=self._bucket(key))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self.errors += 1
 
     def existing_keys(self) -> list[str]:
         out = []
-        for sub in os.listdir(self.data_dir):
-            d = os.path.join(self.data_dir, sub)
-            if os.path.isdir(d):
-                out.extend(os.listdir(d))
+        for sub in os.listdir(self.data_fd):
+            try:
+                fd = private.subdir(self.data_fd, sub)
+            except (OSError, private.PrivateStateError):
+                continue  # not a bucket directory of ours: its files are not counted
+            try:
+                out.extend(os.listdir(fd))
+            finally:
+                os.close(fd)
         return out
 
     def wipe(self) -> None:
         """Remove all cached data (a RAM tier at mount time). Dirty files (``dirty/``) and the
         journal are not cached data and stay."""
-        self.close()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-        os.makedirs(self.data_dir, exist_ok=True)
+        self._close_files()
+        private.remove(self.dir_fd, "data")
+        os.close(self.data_fd)
+        self.data_fd = private.subdir(self.dir_fd, "data", os.path.join(self.path, "data"))
         self.used = 0
         self.chunks = 0
 
-    def close(self) -> None:
+    def _close_files(self) -> None:
         with self._fd_lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for ent in self._fds.values():
+                self._drop(ent)
             self._fds.clear()
+            for fd in self._buckets.values():
+                os.close(fd)
+            self._buckets.clear()
+
+    def close(self) -> None:
+        """Close every descriptor (a call still using one closes it when done)."""
+        self._close_files()
+        for fd in (self.data_fd, self.dir_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.data_fd = self.dir_fd = -1
 
     def statistics(self) -> TierStats:
         return TierStats(

@@ -35,7 +35,7 @@ from typing import cast
 
 import trio
 
-from tierfs import logevents
+from tierfs import logevents, private
 from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import BackingIOError, TierfsError
 from tierfs.io import Device, pread_exact, pwrite_all, sync_range
@@ -161,7 +161,9 @@ class WriteBackStats:
 
 # -- blocking helpers (device threads) ---------------------------------------------------------
 def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int, int] | None) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    # path is in the private dirty/ directory, named through its descriptor (WriteBack.dirty_dir);
+    # O_EXCL|O_NOFOLLOW: never a name someone planted (ids are unique; recovery removes debris)
+    fd = private.create_path(path)
     os.fchown(fd, uid, gid)  # owner first: a chown clears setuid/setgid set before it
     os.fchmod(fd, mode & 0o7777)
     if times is not None:
@@ -292,8 +294,9 @@ class WriteBack:
         self.slice_size = slice_size
         self.fsync_backing = fsync_backing
         self.on_clean = on_clean
-        self.dirty_dir = os.path.join(tier.path, "dirty")
-        os.makedirs(self.dirty_dir, exist_ok=True)
+        # private (0700, verified, see tierfs.private); files are reached through its descriptor
+        self.dirty_fd = private.subdir(tier.dir_fd, "dirty", os.path.join(tier.path, "dirty"))
+        self.dirty_dir = private.fd_path(self.dirty_fd)
         self.files: dict[int, DirtyFile] = {}
         self.by_path: dict[bytes, DirtyFile] = {}
         self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
@@ -875,7 +878,14 @@ class WriteBack:
                 await self.device.run(_unlink_quiet, data_path)
                 self.journal.remove(row.id)
                 continue
-            fd = await self.device.run(os.open, data_path, os.O_RDWR | os.O_CLOEXEC)
+            try:  # a regular file with one link, never through a symlink
+                fd = await self.device.run(partial(private.open_file, self.dirty_fd, str(row.id),
+                                                   os.O_RDWR, create=False, attrs=False))
+            except OSError as e:
+                log.error("recovery: dirty file %d of %r refused (%s); its changes are lost",
+                          row.id, row.path, e)
+                self.journal.remove(row.id)
+                continue
             size = os.fstat(fd).st_size
             due = trio.current_time() + self.deadline_s
             df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
@@ -898,6 +908,9 @@ class WriteBack:
                 os.close(df.fd)
                 df.fd = -1
         self.journal.close()
+        if self.dirty_fd >= 0:
+            os.close(self.dirty_fd)
+            self.dirty_fd = -1
 
     # -- statistics ------------------------------------------------------------------------
     def statistics(self) -> WriteBackStats:
