@@ -15,6 +15,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -152,6 +153,35 @@ def _fs_size(path: str) -> int:
     return sv.f_blocks * sv.f_frsize
 
 
+PROBE_BYTES = 8192  # two 4 KiB blocks: one is punched, one keeps the file non-empty
+
+
+def check_hole_punch(path: str) -> None:
+    """Refuse a tier directory whose filesystem cannot punch holes (fallocate(2)
+    ``PUNCH_HOLE``): evicting a chunk frees its blocks that way, so there the tier would
+    silently grow past its capacity. Probes with an unnamed file (``O_TMPFILE``; a named one,
+    unlinked at once, where that is unsupported). Raises MountError."""
+    try:
+        try:
+            fd = os.open(path, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            fd, name = tempfile.mkstemp(prefix=".tierfs-probe.", dir=path)
+            os.unlink(name)
+        try:
+            io.pwrite_all(fd, bytes(PROBE_BYTES), 0)
+            io.punch_hole(fd, 0, PROBE_BYTES // 2)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise MountError(f"tier directory {path}: its filesystem cannot punch holes (fallocate "
+                             "PUNCH_HOLE), which tierfs needs to free evicted chunks; put the tier "
+                             "on ext4, xfs, btrfs or tmpfs") from None
+        raise MountError(f"tier directory {path}: {e.strerror}") from None
+
+
 def plan_mount(cfg: Config) -> MountPlan:
     """Validate a configuration against the machine. Raises MountError / ConfigError."""
     backing = os.path.abspath(cfg.backing)
@@ -173,6 +203,7 @@ def plan_mount(cfg: Config) -> MountPlan:
         if ram > _fs_size(cfg.ram_dir):
             raise MountError(f"RAM tier of {format_size(ram)} is larger than its filesystem "
                              f"{cfg.ram_dir} ({format_size(_fs_size(cfg.ram_dir))})")
+        check_hole_punch(cfg.ram_dir)  # the tier's own directory is made at mount, on this filesystem
         tiers.append(TierPlan("ram", os.path.join(cfg.ram_dir, "tierfs-" + mount_id(mountpoint)), ram))
     if cfg.ssd is not None:
         path, size = cfg.ssd
@@ -183,6 +214,7 @@ def plan_mount(cfg: Config) -> MountPlan:
             raise MountError(f"SSD tier directory {path}: {e.strerror}") from None
         if os.path.realpath(path).startswith(os.path.realpath(mountpoint) + os.sep):
             raise MountError("the SSD tier must not be inside the mountpoint")
+        check_hole_punch(path)
         if size is None:
             size = default_ssd_size(path)
         if size > _fs_size(path):
