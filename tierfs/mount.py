@@ -247,6 +247,22 @@ def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     return data
 
 
+def unmount_on_signal(mountpoint: str) -> str:
+    """What SIGTERM/SIGINT/SIGHUP do: the unmount ``umount`` would do, refused by the kernel
+    while the mount is busy (open files, a working directory in it), so a signal never cuts
+    off a process that uses the mount. Blocking (runs ``fusermount3 -u``): call in a thread.
+
+    Returns "unmounted", "busy" (still mounted and serving) or "detached" (lazily unmounted
+    already: the daemon exits by itself when the last open file is closed)."""
+    if not is_mounted(mountpoint):
+        return "detached"
+    try:
+        return "unmounted" if unmount(mountpoint) else "busy"
+    except OSError as e:  # fusermount3 missing or not runnable
+        log.error("unmounting %s: %s", mountpoint, e)
+        return "busy"
+
+
 def _set_kernel_readahead(mountpoint: str, kb: int) -> str:
     st = os.stat(mountpoint)
     bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
@@ -425,9 +441,22 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             async def on_signal() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
                     async for sig in sigs:
-                        log.info("signal %s: unmounting", signal.Signals(sig).name)
-                        pyfuse3.terminate()
-                        return
+                        name = signal.Signals(sig).name
+                        outcome = await trio.to_thread.run_sync(unmount_on_signal, plan.mountpoint)
+                        if outcome == "unmounted":
+                            log.info("signal %s: unmounted %s", name, plan.mountpoint)
+                            pyfuse3.terminate()
+                            return
+                        if outcome == "detached":
+                            log.warning("signal %s: %s is detached already (umount --lazy); exiting "
+                                        "when its last open file is closed (%d open)", name,
+                                        plan.mountpoint, len(ops.open_files))
+                        else:
+                            log.warning("signal %s: not unmounting %s: it is busy (%d files open; "
+                                        "find them with `fuser -vm %s`); still serving. Close them and "
+                                        "signal again, or `tierfs umount --lazy %s`", name,
+                                        plan.mountpoint, len(ops.open_files), plan.mountpoint,
+                                        plan.mountpoint)
 
             nursery.start_soon(fuse_main)
             nursery.start_soon(on_signal)
