@@ -8,6 +8,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, is_mounted, needs_fuse
 from tierfs.cli import _alive
 from tierfs.mount import state_dir_for
@@ -27,24 +29,24 @@ def _wait_for(cond, what: str, timeout: float = 20) -> None:  # noqa: ANN001
         time.sleep(0.02)
 
 
-def test_signal_refuses_while_a_file_is_open_then_unmounts(tiermount, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_signal_refuses_while_a_file_is_open_then_unmounts(tiermount, tmp_path: Path, sig: signal.Signals) -> None:
     (tmp_path / "back" / "f").write_bytes(b"abc" * 1000)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        m = tiermount(name=f"mnt-{sig.name}")
-        pid = m.pid
-        fd = os.open(m.mnt / "f", os.O_RDONLY)
-        try:
-            before = _log(m).count("not unmounting")
-            os.kill(pid, sig)
-            _wait_for(lambda: _log(m).count("not unmounting") > before, "the refusal in the log")
-            assert "busy" in _log(m)
-            assert os.pread(fd, 3, 0) == b"abc"  # still served, not ENOTCONN
-            assert is_mounted(m.mnt) and _alive(pid)
-            assert (m.mnt / "f").read_bytes() == b"abc" * 1000
-        finally:
-            os.close(fd)
+    m = tiermount()
+    pid = m.pid
+    fd = os.open(m.mnt / "f", os.O_RDONLY)
+    try:
+        before = _log(m).count("not unmounting")
         os.kill(pid, sig)
-        _wait_for(lambda: not _alive(pid), "the daemon to exit")  # noqa: B023
-        assert not is_mounted(m.mnt)
-        assert f"unmounted {m.mnt}" in _log(m) and "after an error" not in _log(m)
-        m.pid = 0
+        _wait_for(lambda: _log(m).count("not unmounting") > before, "the refusal in the log")
+        assert "busy" in _log(m)
+        assert os.pread(fd, 3, 0) == b"abc"  # still served, not ENOTCONN
+        assert is_mounted(m.mnt) and _alive(pid)
+        assert (m.mnt / "f").read_bytes() == b"abc" * 1000
+    finally:
+        os.close(fd)
+    os.kill(pid, sig)
+    _wait_for(lambda: not _alive(pid), "the daemon to exit")
+    assert not is_mounted(m.mnt)
+    assert f"unmounted {m.mnt}" in _log(m) and "after an error" not in _log(m)
+    m.pid = 0
