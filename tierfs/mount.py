@@ -31,7 +31,13 @@ from tierfs.cache.manager import Cache
 from tierfs.cache.plan import HintPlan
 from tierfs.cache.policy import Policy
 from tierfs.cache.tier import Tier
-from tierfs.config import Config, default_ram_size, default_ssd_size
+from tierfs.config import (
+    Config,
+    default_ram_size,
+    default_ssd_size,
+    effective_allow_other,
+    who_can_use,
+)
 from tierfs.errors import MountError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.inodes import InodeTable
@@ -86,6 +92,19 @@ def mount_entry(path: str) -> tuple[str, str] | None:
             fields = line.split()
             if len(fields) > 2 and fields[1].encode().decode("unicode_escape") == real:
                 found = (fields[0].encode().decode("unicode_escape"), fields[2])
+    return found
+
+
+def mount_options(path: str) -> set[str]:
+    """The options of what is mounted on ``path`` (the one on top), as the kernel lists them in
+    /proc/self/mounts (``allow_other``, ``user_id=0``, ...); empty if nothing is mounted."""
+    real = os.path.realpath(path)
+    found: set[str] = set()
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 3 and fields[1].encode().decode("unicode_escape") == real:
+                found = set(fields[3].split(","))
     return found
 
 
@@ -409,7 +428,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
-    if cfg.allow_other:
+    if effective_allow_other(cfg, os.geteuid()):
         options.add("allow_other")
     try:
         pyfuse3.init(ops, plan.mountpoint, options)
@@ -467,8 +486,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                     log.info("kernel readahead %d KiB (%s)", cfg.read_ahead_kb, bdi)
                 except OSError as e:
                     log.warning("could not raise kernel readahead (needs root): %s", e)
-            log.info("mounted %s on %s; tiers: %s", plan.backing, plan.mountpoint,
-                     ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none")
+            log.info("mounted %s on %s; tiers: %s; usable by %s", plan.backing, plan.mountpoint,
+                     ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none",
+                     who_can_use(options | {f"user_id={os.geteuid()}"}))
             ready(None)
         unmounted_cleanly = True
     finally:
