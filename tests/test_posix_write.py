@@ -738,7 +738,7 @@ def _perm_tree(root: Path) -> None:
 
 
 def test_permissions_without_allow_other(tiermount) -> None:  # type: ignore[no-untyped-def]
-    m = tiermount(ram="32MiB")
+    m = tiermount(ram="32MiB", extra=("--no-allow-other",))  # root's mounts allow others by default
     _perm_tree(m.mnt)
     for fn in (lambda: open("public", "rb").read(), lambda: os.stat("public"), lambda: os.listdir("."),
                lambda: open("new", "wb")):

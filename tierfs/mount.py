@@ -24,7 +24,7 @@ import pyfuse3
 import trio
 import xxhash
 
-from tierfs import io, logevents
+from tierfs import io, logevents, loopwatch
 from tierfs import stats as stats_mod
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
@@ -305,6 +305,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     ``ready(message)`` if setup fails (then the error is raised too)."""
     cfg = plan.cfg
     started = time.monotonic()
+    try:
+        watch = loopwatch.install_from_env()  # the event-loop bound (docs/concurrency.md)
+    except ValueError as e:
+        raise MountError(str(e)) from None
     tiers: list[Tier] = []
     devices: list[io.Device] = []
     lock_fds: list[int] = []
@@ -409,6 +413,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["hints"] = hints.statistics()
+        doc["loop"] = watch.as_dict() if watch is not None else None
         return doc
 
     def render_stats() -> bytes:
