@@ -163,13 +163,7 @@ def bound_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> f
     return ms / 1e3
 
 
-def install_from_env() -> LoopWatch | None:
-    """In a running trio loop: add a :class:`LoopWatch` if ``TIERFS_LOOP_BOUND_MS`` is set.
-    Returns it (for its statistics), or None."""
-    bound = bound_from_env()
-    if bound is None:
-        return None
-    watch = LoopWatch(bound)
+def install(watch: LoopWatch) -> None:
+    """Add ``watch`` to the running trio loop (steps are timed from the next one on)."""
     trio.lowlevel.add_instrument(watch)
-    log.info("event loop watch: steps longer than %.0f ms are counted and logged", bound * 1e3)
-    return watch
+    log.info("event loop watch: steps longer than %.0f ms are counted and logged", watch.bound_s * 1e3)

@@ -306,9 +306,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     cfg = plan.cfg
     started = time.monotonic()
     try:
-        watch = loopwatch.install_from_env()  # the event-loop bound (docs/concurrency.md)
+        loop_bound = loopwatch.bound_from_env()  # the event-loop bound (docs/concurrency.md)
     except ValueError as e:
         raise MountError(str(e)) from None
+    watch = loopwatch.LoopWatch(loop_bound) if loop_bound is not None else None
     tiers: list[Tier] = []
     devices: list[io.Device] = []
     lock_fds: list[int] = []
@@ -448,6 +449,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             exporter = Exporter(cfg.metrics_addr, cfg.metrics_port, stats_doc)
             log.info("metrics on http://%s:%d/metrics", *exporter.address[:2])
         async with trio.open_nursery() as nursery:
+            if watch is not None:  # timed from here: the mount serves (setup before is not timed)
+                loopwatch.install(watch)
             cache.attach(nursery)
             ops.nursery = nursery
             await nursery.start(scheduler.run)
