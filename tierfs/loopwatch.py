@@ -166,4 +166,4 @@ def bound_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> f
 def install(watch: LoopWatch) -> None:
     """Add ``watch`` to the running trio loop (steps are timed from the next one on)."""
     trio.lowlevel.add_instrument(watch)
-    log.info("event loop watch: steps longer than %.0f ms are counted and logged", watch.bound_s * 1e3)
+    log.debug("event loop watch: steps longer than %.0f ms are counted and logged", watch.bound_s * 1e3)
