@@ -34,7 +34,8 @@ def _mount_config(args: argparse.Namespace) -> Config:
              "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
              "write_tier": args.write_tier, "fsync": args.fsync,
              "allow_other": args.allow_other, "metrics_port": args.metrics_port}
-    layers += [(f"flag --{k.replace('_', '-')}", {k: v}) for k, v in flags.items() if v is not None]
+    layers += [(f"flag --{'no-' if v is False else ''}{k.replace('_', '-')}", {k: v})
+               for k, v in flags.items() if v is not None]
     layers += [("-o", parse_mount_options(opt)) for opt in args.option or []]
     cfg = resolve(layers)
     backing, mountpoint = getattr(args, "backing", None), getattr(args, "mountpoint", None)
