@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, is_mounted, needs_fuse
+from tests.conftest import Mount, is_mounted, needs_fuse, tierfs_cmd
 from tierfs.cli import _alive
 from tierfs.mount import state_dir_for
 
@@ -49,4 +49,23 @@ def test_signal_refuses_while_a_file_is_open_then_unmounts(tiermount, tmp_path: 
     _wait_for(lambda: not _alive(pid), "the daemon to exit")
     assert not is_mounted(m.mnt)
     assert f"unmounted {m.mnt}" in _log(m) and "after an error" not in _log(m)
+    m.pid = 0
+
+
+def test_signal_after_a_lazy_unmount_keeps_serving_the_open_files(tiermount, tmp_path: Path) -> None:
+    """``tierfs umount --lazy`` detached the mount; a signal then changes nothing: the daemon
+    serves the files still open and exits when the last is closed."""
+    (tmp_path / "back" / "f").write_bytes(b"xyz" * 100)
+    m = tiermount()
+    pid = m.pid
+    fd = os.open(m.mnt / "f", os.O_RDONLY)
+    try:
+        tierfs_cmd("umount", "--lazy", str(m.mnt))
+        assert not is_mounted(m.mnt)
+        os.kill(pid, signal.SIGTERM)
+        _wait_for(lambda: "is detached already" in _log(m), "the daemon's answer in the log")
+        assert os.pread(fd, 3, 0) == b"xyz" and _alive(pid)
+    finally:
+        os.close(fd)
+    _wait_for(lambda: not _alive(pid), "the daemon to exit after the last close")
     m.pid = 0
