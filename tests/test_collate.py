@@ -6,7 +6,6 @@ import functools
 import random
 import subprocess
 import sys
-import time
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -692,19 +691,17 @@ def test_pack_sequences_properties(lengths, capacity_extra, method, limit):
         stats.num_bins = 0  # type: ignore[misc]
 
 
-def test_pack_sequences_fast_and_tight_on_100k_lengths():
+def test_pack_sequences_tight_on_100k_lengths():
+    """Packing quality at scale (its speed is a benchmark: bench/bench_collate.py, the seconds
+    column, and docs/benchmarks.md)."""
     rng = random.Random(0)
     lengths = [min(2048, int(rng.lognormvariate(5.5, 1.0)) + 1) for _ in range(100_000)]
-    t = time.perf_counter()
     bins, stats = pack_sequences(lengths, 2048, method="spfhp")
-    spfhp_s = time.perf_counter() - t
-    assert spfhp_s < 2.0, spfhp_s
     assert stats.padding_fraction < 0.02
-    t = time.perf_counter()
     _, ffd = pack_sequences(lengths, 2048, method="ffd")
-    assert time.perf_counter() - t < 5.0
     assert ffd.padding_fraction < 0.02
-    assert sum(map(len, bins)) == 100_000
+    assert sorted(i for b in bins for i in b) == list(range(100_000))  # each sequence once
+    assert all(sum(lengths[i] for i in b) <= 2048 for b in bins)
 
 
 # ------------------------------------------------------------------------------------------

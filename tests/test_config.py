@@ -126,3 +126,24 @@ def test_reference_lists_every_command_and_every_flag() -> None:
             assert flag in ref, f"docs/reference.md does not document `tierfs {name} {flag}`"
     for o in config.OPTIONS:
         assert f"| `{o.name}` |" in ref
+
+
+@pytest.mark.parametrize(("argv", "euid", "want"), [
+    ([], 0, True),  # root mounts for everyone (as bindfs does); the kernel checks permissions
+    ([], 1000, False),  # a user's own mount stays the user's (FUSE's default)
+    (["--allow-other"], 1000, True),
+    (["--no-allow-other"], 0, False),
+    (["-o", "allow_other=false"], 0, False),
+    (["-o", "allow_other=auto"], 0, True),
+])
+def test_allow_other_defaults_to_true_for_root(argv: list[str], euid: int, want: bool) -> None:
+    args = cli.build_parser().parse_args(["mount", *argv, "/b", "/m"])
+    cfg = cli._mount_config(args)
+    assert config.effective_allow_other(cfg, euid) is want
+    assert config.OPTION_BY_NAME["allow_other"].default is None  # "auto"
+
+
+def test_who_can_use_the_mount_from_its_options() -> None:
+    assert config.who_can_use({"allow_other", "default_permissions", "user_id=0"}) == (
+        "all users (allow_other, permissions checked by the kernel)")
+    assert config.who_can_use({"default_permissions", "user_id=1234"}) == "only uid 1234"

@@ -443,8 +443,8 @@ def test_c12_writer_killed_mid_save(tiermount, tmp_path: Path) -> None:
             w.close()
             if mode == "replace":
                 assert sha_file(target) == old
-            else:
-                assert target.stat().st_size >= 0
+            else:  # the killed overwrite leaves the name, its size that of its readable bytes
+                assert len(target.read_bytes()) == target.stat().st_size
             tierfs_cmd("flush", str(m.mnt))
             for name in listdir(m.mnt / "c12"):
                 assert sha_file(m.mnt / "c12" / name) == sha_file(m.backing / "c12" / name)
@@ -492,15 +492,12 @@ def test_umount_does_not_wait_for_writeback(tiermount) -> None:
             h.update(chunk)
     want = {**small, "d/big": h.hexdigest()}
     pid = m.pid
-    t0 = time.monotonic()
     tierfs_cmd("umount", str(m.mnt))
-    took = time.monotonic() - t0
     assert not is_mounted(m.mnt)
     # exited (gone, or a zombie its parent has not reaped yet: umount does not wait for that)
     from tierfs.cli import _alive
 
     assert not _alive(pid)
-    assert took < 5, f"umount took {took:.1f}s"
     assert not (m.backing / "d" / "big").exists(), "umount waited for the write-back of d/big"
     # each file is whole on the backing store or still dirty, journaled, in the write tier
     on_backing = {rel for rel, sha in want.items() if sha_or_none(m.backing / rel) == sha}

@@ -41,7 +41,8 @@ def test_healthy_mount(tiermount, tmp_path: Path) -> None:
     (m.mnt / "w").write_bytes(b"w" * 1000)
     rc, found = doctor(m.mnt)
     assert rc == 0
-    assert set(found) == {"mount", "tier ram", "tier ssd", "journal", "readahead", "backing", "write-back"}
+    assert set(found) == {"mount", "users", "tier ram", "tier ssd", "journal", "readahead", "backing",
+                          "write-back"}
     assert all(v[0].startswith("ok") for v in found.values()), found
     assert any(str(m.pid) in x for x in found["mount"])
 
@@ -114,3 +115,16 @@ def test_mount_again_right_after_a_crash(tiermount) -> None:
     os.stat(m.mnt)  # cached: no ENOTCONN
     m.start()
     assert doctor(m.mnt)[0] == 0
+
+
+def test_doctor_says_who_can_use_the_mount(tiermount) -> None:
+    """Root's mount is everyone's by default; --no-allow-other keeps it root's, which is worth
+    a note (other users get EACCES on everything)."""
+    shared = tiermount(ram="16MiB")
+    _, found = doctor(shared.mnt)
+    assert found["users"] == ["ok all users (allow_other, permissions checked by the kernel)"]
+    private = tiermount(ram="16MiB", name="private", extra=("--no-allow-other",))
+    rc, found = doctor(private.mnt)
+    assert rc == 0
+    [msg] = found["users"]
+    assert msg.startswith("note only uid 0") and "--allow-other" in msg

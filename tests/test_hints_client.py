@@ -302,9 +302,7 @@ def test_hundred_thousand_paths_one_request(env: Any, monkeypatch: pytest.Monkey
         return real_lstat(p, *a, **kw)
 
     monkeypatch.setattr(os, "lstat", counting_lstat)
-    t0 = time.perf_counter()
     h = env.client.need(paths)
-    elapsed = time.perf_counter() - t0
     monkeypatch.undo()
     # one lstat per distinct directory (200 shard dirs and their ancestors), none per path
     assert len(lstats) == len(set(lstats)) and len(lstats) < 200 + len(env.m1.parts) + 1
@@ -315,7 +313,6 @@ def test_hundred_thousand_paths_one_request(env: Any, monkeypatch: pytest.Monkey
     assert h.files == 100_000
     # lookups are per directory: 200 shard dirs + their ancestors, not one per path
     assert env.roots.calls < 1000
-    assert elapsed < 5.0, f"need() of 100k paths took {elapsed:.2f}s"
     # a second call hits the cache only
     calls = env.roots.calls
     env.client.epoch(paths)
@@ -607,9 +604,12 @@ def test_wait_timeout_and_poll(env: Any) -> None:
     h = env.client.need([env.m1 / "a"])
     assert h.wait(0) is False
     assert env.daemon.ops("wait")[-1]["timeout"] == 0
-    t0 = time.monotonic()
+    before = len(env.daemon.ops("wait"))
     assert h.wait(timedelta(seconds=0.2)) is False
-    assert time.monotonic() - t0 < 5
+    # the whole wait is bounded by its timeout: each request asks for what is left of it
+    timeouts = [w["timeout"] for w in env.daemon.ops("wait")[before:]]
+    assert timeouts and all(0 <= t <= 0.2 for t in timeouts)
+    assert timeouts == sorted(timeouts, reverse=True)
 
 
 def test_context_manager_cancels(env: Any) -> None:

@@ -292,6 +292,14 @@ def test_readdir_racing_writeback_end(tiermount) -> None:
                 break
 
 
+def wait_clean(m, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    """Until no file is dirty (polls the daemon's stats)."""
+    deadline = time.monotonic() + timeout
+    while m.stats()["writeback"]["dirty_files"]:
+        assert time.monotonic() < deadline, "dirty files not written back"
+        time.sleep(0.001)
+
+
 def test_replace_racing_writeback(tiermount) -> None:
     """The checkpoint pattern: write ``x.tmp``, close, ``os.replace(x.tmp, x)`` (and write,
     close, unlink), with the write-back of the closed file running: the mount and, after flush,
@@ -304,14 +312,20 @@ def test_replace_racing_writeback(tiermount) -> None:
         tmp, final = m.mnt / f"f{i}.tmp", m.mnt / f"f{i}"
         with open(tmp, "wb") as f:
             f.write(blob)
-        time.sleep(rnd.uniform(0, 0.006))
+        # three windows, each reached by waiting for it (no sleeps): before the write-back of
+        # tmp starts, while a write-back runs, after the dirty files are written back
+        if i % 3 == 1:
+            wait_writing(m)
+        elif i % 3 == 2:
+            wait_clean(m)
         os.replace(tmp, final)
         with open(final, "rb") as f:
             assert f.read() == blob, f"round {i}: the renamed file reads wrong"
         assert not tmp.exists(), f"round {i}: the old name is still there after os.replace"
         u = m.mnt / f"u{i}"
         u.write_bytes(blob[:4096])
-        time.sleep(rnd.uniform(0, 0.006))
+        if i % 2:
+            wait_writing(m)
         os.unlink(u)
         assert not u.exists(), f"round {i}: the unlinked file came back"
     tierfs_cmd("flush", str(m.mnt))
@@ -328,15 +342,15 @@ def test_dir_rename_during_writeback(tiermount) -> None:
         d = m.mnt / f"run{i}.tmp"
         d.mkdir()
         (d / "ckpt").write_bytes(data)
-        t0 = time.monotonic()
+        failures = m.stats()["writeback"]["failures"]
         fl = subprocess.Popen([sys.executable, "-m", "tierfs", "flush", str(m.mnt)], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert wait_writing(m)
-        time.sleep(0.01)
+        assert wait_writing(m)  # the rename lands while the write-back runs
         os.rename(d, m.mnt / f"run{i}")
         _, err = fl.communicate(timeout=60)
         assert fl.returncode == 0, f"round {i}: flush failed: {err.strip()}"
-        assert time.monotonic() - t0 < 4, "flush waited for a retry"
+        # a rename is a restart of the write-back, never a failure (that would wait RETRY_S)
+        assert m.stats()["writeback"]["failures"] == failures, "the rename failed a write-back"
         assert (m.backing / f"run{i}" / "ckpt").read_bytes() == data
         assert os.listdir(m.backing / f"run{i}") == ["ckpt"]
         shutil.rmtree(m.mnt / f"run{i}")

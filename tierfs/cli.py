@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tierfs import logevents, private
-from tierfs.config import Config, effective, load_toml, parse_mount_options, resolve
+from tierfs.config import Config, effective, load_toml, parse_mount_options, resolve, who_can_use
 from tierfs.errors import ConfigError, MountError, TierfsError
 from tierfs.units import format_size
 from tierfs_hints import wire
@@ -33,8 +33,9 @@ def _mount_config(args: argparse.Namespace) -> Config:
     flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
              "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
              "write_tier": args.write_tier, "fsync": args.fsync,
-             "allow_other": True if args.allow_other else None, "metrics_port": args.metrics_port}
-    layers += [(f"flag --{k.replace('_', '-')}", {k: v}) for k, v in flags.items() if v is not None]
+             "allow_other": args.allow_other, "metrics_port": args.metrics_port}
+    layers += [(f"flag --{'no-' if v is False else ''}{k.replace('_', '-')}", {k: v})
+               for k, v in flags.items() if v is not None]
     layers += [("-o", parse_mount_options(opt)) for opt in args.option or []]
     cfg = resolve(layers)
     backing, mountpoint = getattr(args, "backing", None), getattr(args, "mountpoint", None)
@@ -82,7 +83,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     text = msg.decode().strip()
     if text == "ok":
         where = cfg.log_file if logevents.is_syslog(cfg.log_file) else log_path
-        print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {where})")
+        print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {where}); "
+              f"usable by {who_can_use(mount_mod.mount_options(plan.mountpoint))}")
         return 0
     if text.startswith("error:"):
         print(f"tierfs: {text[6:].strip()}", file=sys.stderr)
@@ -117,7 +119,8 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
             os.write(ready_fd, line.encode())
             os.close(ready_fd)
         elif message is None:
-            print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (foreground)", flush=True)
+            print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (foreground); usable by "
+                  f"{who_can_use(mount_mod.mount_options(plan.mountpoint))}", flush=True)
 
     try:
         trio.run(mount_mod.serve, plan, ready)
@@ -575,7 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--depth", help="backing-store requests in flight (default 1)")
     opts.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
     opts.add_argument("--fsync", help="tier (default: fsync = durable on the write tier) or backing")
-    opts.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    opts.add_argument("--allow-other", action="store_true", default=None,
+                      help="let other users use the mount (default when root mounts)")
+    opts.add_argument("--no-allow-other", dest="allow_other", action="store_false",
+                      help="only the mounting user may use the mount")
     opts.add_argument("--config", help="TOML file with the same options")
     opts.add_argument("-o", dest="option", action="append", help="key=value[,key=value] options")
     opts.add_argument("--log-level", help="debug, info, warning, error")

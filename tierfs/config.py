@@ -97,6 +97,16 @@ def _bool(v: Any, key: str) -> bool:
     raise ConfigError(f"{key}: expected true or false, got {v!r}")
 
 
+def _bool_or_auto(v: Any, key: str) -> bool | None:
+    """``true``, ``false`` or ``auto`` (None: decided at mount, see the option's meaning)."""
+    if v is None or str(v).lower() == "auto":
+        return None
+    try:
+        return _bool(v, key)
+    except ConfigError:
+        raise ConfigError(f"{key}: expected true or false, or auto, got {v!r}") from None
+
+
 def _duration(v: Any, key: str) -> float:
     return parse_duration(v, key=key)
 
@@ -140,7 +150,9 @@ OPTIONS: tuple[Option, ...] = (
            "should be on the backing store (write-back starts at once when the disk is idle)"),
     Option("fsync", _choice("tier", "backing"), "tier", "what fsync waits for: durable on the write "
            "tier (tier) or on the backing store (backing)"),
-    Option("allow_other", _bool, False, "let users other than the mounting one use the mount"),
+    Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
+           "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
+           "true when root mounts (a shared training box), false for a user's own mount"),
     Option("user_hint_share", _fraction, 0.5, "fraction of the tiers' capacity one user other than "
            "root may claim through hints: bytes of its declared needs (of all tiers together) and of "
            "its checkpoint reservations (of the write tier); a hint over it is refused. Root is not "
@@ -180,7 +192,7 @@ class Config:
     write_tier: str = "auto"
     writeback_deadline: float = 120.0
     fsync: str = "tier"
-    allow_other: bool = False
+    allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024
     attr_timeout: float = 1.0
@@ -230,6 +242,22 @@ def resolve(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> Config:
     return cfg
 
 
+def effective_allow_other(cfg: Config, euid: int) -> bool:
+    """``allow_other`` as mounted by the user ``euid``: as configured, else (auto) true for root,
+    as bindfs does: a root-run mount is a shared one, and without it every other user gets
+    EACCES on everything. Permissions stay checked by the kernel (default_permissions)."""
+    return cfg.allow_other if cfg.allow_other is not None else euid == 0
+
+
+def who_can_use(mount_options: set[str]) -> str:
+    """Who may use a FUSE mount with these options (as in /proc/mounts: ``allow_other``,
+    ``user_id=N``): for ``tierfs mount``'s output and ``tierfs doctor``."""
+    if "allow_other" in mount_options:
+        return "all users (allow_other, permissions checked by the kernel)"
+    uid = next((o.partition("=")[2] for o in mount_options if o.startswith("user_id=")), "?")
+    return f"only uid {uid}"
+
+
 def mem_available() -> int:
     """MemAvailable from /proc/meminfo, bytes."""
     with open("/proc/meminfo") as f:
@@ -267,6 +295,7 @@ _KINDS: dict[Callable[[Any, str], Any], str] = {
     _duration: "seconds (30, 2.5s, 250ms, 10m)",
     _bool: "true or false",
     _fraction: "fraction 0..1",
+    _bool_or_auto: "true, false or auto",
     _str: "text",
 }
 
@@ -285,7 +314,7 @@ def _compact_size(n: int) -> str:
 
 def format_value(opt: Option, value: Any) -> str:
     """``value`` of ``opt`` as a user writes it (``4MiB``, ``120s``, ``auto``)."""
-    if opt.parse is _ram and value is None:
+    if opt.parse in (_ram, _bool_or_auto) and value is None:
         return "auto"
     if opt.parse is _ssd:
         if value is None:
@@ -328,7 +357,7 @@ def parse_mount_options(text: str, source: str = "-o") -> dict[str, str]:
         k, sep, v = item.partition("=")
         k = k.strip()
         opt = OPTION_BY_NAME.get(k.replace("-", "_"))
-        if not sep and opt is not None and opt.parse is not _bool:
+        if not sep and opt is not None and opt.parse not in (_bool, _bool_or_auto):
             raise ConfigError(f"{source} {item!r}: expected {k}=VALUE ({describe(opt)})")
         out[k] = v.strip() if sep else "true"
     return out

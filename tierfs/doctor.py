@@ -4,10 +4,11 @@ Each check gives a :class:`Finding`: ``ok``, ``note`` (worth knowing, nothing to
 ``problem`` (the mount is dead or degraded; the message says why and what to do). The command
 exits 1 if any check found a problem, else 0.
 
-Checks: the mount is a live tierfs mount (daemon alive and answering); each tier is within its
-capacity, its filesystem not full, and writable; the write-back journal is a sound database
-whose every dirty file has its data; the kernel readahead of the mount is what was configured;
-the backing store answers; write-back keeps its deadlines; the metrics endpoint listens.
+Checks: the mount is a live tierfs mount (daemon alive and answering); who may use it; each
+tier is within its capacity, its filesystem not full, and writable; the write-back journal is a
+sound database whose every dirty file has its data; the kernel readahead of the mount is what
+was configured; the backing store answers; write-back keeps its deadlines; the metrics endpoint
+listens.
 Everything that might hang (a read through a stuck mount, a dead NFS backing store) runs in a
 thread with a timeout.
 """
@@ -245,6 +246,18 @@ def _check_writeback(wb: dict[str, Any]) -> list[Finding]:
     return out
 
 
+def _check_users(mnt: str) -> Finding:
+    """Who may use the mount, from the kernel's own record of its options."""
+    from tierfs.config import who_can_use
+    from tierfs.mount import mount_options
+
+    who = who_can_use(mount_options(mnt))
+    if who.startswith("all"):
+        return Finding("ok", "users", who)
+    return Finding("note", "users", f"{who}: other users get EACCES on everything; mount with "
+                                    "--allow-other (-o allow_other) to let them in")
+
+
 def _check_metrics(addr: str, port: int) -> Finding:
     try:
         with socket.create_connection((addr if addr not in ("0.0.0.0", "::") else "127.0.0.1", port), 2):
@@ -288,6 +301,7 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
     log_file = cfg.get("log_file") or os.path.join(state_dir_for(mnt), "daemon.log")
     out = [Finding("ok", "mount", f"daemon {pid} serves {doc['backing']} on {mnt} "
                                   f"(up {doc['uptime_s']:.0f}s; log: {log_file})")]
+    out.append(_check_users(mnt))
     for t in doc["tiers"]:
         out += _check_tier(t)
     state = state_dir_for(mnt)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,7 +23,7 @@ import pyfuse3
 import trio
 import xxhash
 
-from tierfs import io, logevents, private
+from tierfs import io, logevents, loopwatch, private
 from tierfs import stats as stats_mod
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.catalog import SsdCatalog
@@ -30,7 +31,13 @@ from tierfs.cache.manager import Cache
 from tierfs.cache.plan import HintPlan
 from tierfs.cache.policy import Policy
 from tierfs.cache.tier import Tier
-from tierfs.config import Config, default_ram_size, default_ssd_size
+from tierfs.config import (
+    Config,
+    default_ram_size,
+    default_ssd_size,
+    effective_allow_other,
+    who_can_use,
+)
 from tierfs.errors import MountError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.ctl import ControlCommands
@@ -120,6 +127,19 @@ def mount_entry(path: str) -> tuple[str, str] | None:
     return found
 
 
+def mount_options(path: str) -> set[str]:
+    """The options of what is mounted on ``path`` (the one on top), as the kernel lists them in
+    /proc/self/mounts (``allow_other``, ``user_id=0``, ...); empty if nothing is mounted."""
+    real = os.path.realpath(path)
+    found: set[str] = set()
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 3 and fields[1].encode().decode("unicode_escape") == real:
+                found = set(fields[3].split(","))
+    return found
+
+
 def is_mounted(path: str) -> bool:
     return mount_entry(path) is not None
 
@@ -206,6 +226,35 @@ def _check_outside(what: str, path: str, backing: str, mountpoint: str) -> None:
                              "choose a directory outside both")
 
 
+PROBE_BYTES = 8192  # two 4 KiB blocks: one is punched, one keeps the file non-empty
+
+
+def check_hole_punch(path: str) -> None:
+    """Refuse a tier directory whose filesystem cannot punch holes (fallocate(2)
+    ``PUNCH_HOLE``): evicting a chunk frees its blocks that way, so there the tier would
+    silently grow past its capacity. Probes with an unnamed file (``O_TMPFILE``; a named one,
+    unlinked at once, where that is unsupported). Raises MountError."""
+    try:
+        try:
+            fd = os.open(path, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            fd, name = tempfile.mkstemp(prefix=".tierfs-probe.", dir=path)
+            os.unlink(name)
+        try:
+            io.pwrite_all(fd, bytes(PROBE_BYTES), 0)
+            io.punch_hole(fd, 0, PROBE_BYTES // 2)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise MountError(f"tier directory {path}: its filesystem cannot punch holes (fallocate "
+                             "PUNCH_HOLE), which tierfs needs to free evicted chunks; put the tier "
+                             "on ext4, xfs, btrfs or tmpfs") from None
+        raise MountError(f"tier directory {path}: {e.strerror}") from None
+
+
 def plan_mount(cfg: Config) -> MountPlan:
     """Validate a configuration against the machine. Raises MountError / ConfigError."""
     backing = os.path.abspath(cfg.backing)
@@ -227,6 +276,7 @@ def plan_mount(cfg: Config) -> MountPlan:
         if ram > _fs_size(cfg.ram_dir):
             raise MountError(f"RAM tier of {format_size(ram)} is larger than its filesystem "
                              f"{cfg.ram_dir} ({format_size(_fs_size(cfg.ram_dir))})")
+        check_hole_punch(cfg.ram_dir)  # the tier's own directory is made at mount, on this filesystem
         ram_path = ram_tier_path(os.path.abspath(cfg.ram_dir), mountpoint)
         _check_outside("RAM tier", ram_path, backing, mountpoint)
         tiers.append(TierPlan("ram", ram_path, ram))
@@ -235,6 +285,7 @@ def plan_mount(cfg: Config) -> MountPlan:
         path = os.path.abspath(path)
         _check_outside("SSD tier", path, backing, mountpoint)
         os.close(private.open_dir(path))  # created 0700 if missing; verified private if not
+        check_hole_punch(path)
         if size is None:
             size = default_ssd_size(path)
         if size > _fs_size(path):
@@ -267,6 +318,22 @@ def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     return data
 
 
+def unmount_on_signal(mountpoint: str) -> str:
+    """What SIGTERM/SIGINT/SIGHUP do: the unmount ``umount`` would do, refused by the kernel
+    while the mount is busy (open files, a working directory in it), so a signal never cuts
+    off a process that uses the mount. Blocking (runs ``fusermount3 -u``): call in a thread.
+
+    Returns "unmounted", "busy" (still mounted and serving) or "detached" (lazily unmounted
+    already: the daemon exits by itself when the last open file is closed)."""
+    if not is_mounted(mountpoint):
+        return "detached"
+    try:
+        return "unmounted" if unmount(mountpoint) else "busy"
+    except OSError as e:  # fusermount3 missing or not runnable
+        log.error("unmounting %s: %s", mountpoint, e)
+        return "busy"
+
+
 def _set_kernel_readahead(mountpoint: str, kb: int) -> str:
     st = os.stat(mountpoint)
     bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
@@ -288,6 +355,11 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     ``ready(message)`` if setup fails (then the error is raised too)."""
     cfg = plan.cfg
     started = time.monotonic()
+    try:
+        loop_bound = loopwatch.bound_from_env()  # the event-loop bound (docs/concurrency.md)
+    except ValueError as e:
+        raise MountError(str(e)) from None
+    watch = loopwatch.LoopWatch(loop_bound) if loop_bound is not None else None
     tiers: list[Tier] = []
     devices: list[io.Device] = []
     lock_fds: list[int] = []
@@ -360,6 +432,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
+        doc["loop"] = watch.as_dict() if watch is not None else None
         return doc
 
     def render_stats() -> bytes:
@@ -379,7 +452,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
-    if cfg.allow_other:
+    if effective_allow_other(cfg, os.geteuid()):
         options.add("allow_other")
     try:
         pyfuse3.init(ops, plan.mountpoint, options)
@@ -394,6 +467,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             exporter = Exporter(cfg.metrics_addr, cfg.metrics_port, stats_doc)
             log.info("metrics on http://%s:%d/metrics", *exporter.address[:2])
         async with trio.open_nursery() as nursery:
+            if watch is not None:  # timed from here: the mount serves (setup before is not timed)
+                loopwatch.install(watch)
             cache.attach(nursery)
             ops.nursery = nursery
             await nursery.start(scheduler.run)
@@ -411,9 +486,22 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             async def on_signal() -> None:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
                     async for sig in sigs:
-                        log.info("signal %s: unmounting", signal.Signals(sig).name)
-                        pyfuse3.terminate()
-                        return
+                        name = signal.Signals(sig).name
+                        outcome = await trio.to_thread.run_sync(unmount_on_signal, plan.mountpoint)
+                        if outcome == "unmounted":
+                            log.info("signal %s: unmounted %s", name, plan.mountpoint)
+                            pyfuse3.terminate()
+                            return
+                        if outcome == "detached":
+                            log.warning("signal %s: %s is detached already (umount --lazy); exiting "
+                                        "when its last open file is closed (%d open)", name,
+                                        plan.mountpoint, len(ops.open_files))
+                        else:
+                            log.warning("signal %s: not unmounting %s: it is busy (%d files open; "
+                                        "find them with `fuser -vm %s`); still serving. Close them and "
+                                        "signal again, or `tierfs umount --lazy %s`", name,
+                                        plan.mountpoint, len(ops.open_files), plan.mountpoint,
+                                        plan.mountpoint)
 
             nursery.start_soon(fuse_main)
             nursery.start_soon(on_signal)
@@ -424,8 +512,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                     log.info("kernel readahead %d KiB (%s)", cfg.read_ahead_kb, bdi)
                 except OSError as e:
                     log.warning("could not raise kernel readahead (needs root): %s", e)
-            log.info("mounted %s on %s; tiers: %s", plan.backing, plan.mountpoint,
-                     ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none")
+            log.info("mounted %s on %s; tiers: %s; usable by %s", plan.backing, plan.mountpoint,
+                     ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none",
+                     who_can_use(options | {f"user_id={os.geteuid()}"}))
             ready(None)
         unmounted_cleanly = True
     finally:

@@ -125,7 +125,7 @@ def secmount(shared_dir: Path) -> Iterator:
     back.mkdir(mode=0o755, exist_ok=True)
     os.chmod(back, 0o755)
 
-    def make(*, allow_other: bool = True, ram: str = "64MiB", ssd: str | None = "128MiB",
+    def make(*, allow_other: bool | None = True, ram: str = "64MiB", ssd: str | None = "128MiB",
              extra: tuple[str, ...] = (), name: str = "mnt", start: bool = True) -> Mount:
         mnt = shared_dir / name
         mnt.mkdir(mode=0o755, exist_ok=True)
@@ -134,8 +134,8 @@ def secmount(shared_dir: Path) -> Iterator:
         if ssd is not None:
             ssd_dir = shared_dir / f"ssd-{name}"
             args += ["--ssd", f"{ssd_dir}:{ssd}"]
-        if allow_other:
-            args.append("--allow-other")
+        if allow_other is not None:  # None: the default (allow_other, as root mounts)
+            args.append("--allow-other" if allow_other else "--no-allow-other")
         m = Mount(back, mnt, ssd_dir, args + list(extra))
         mounts.append(m)
         if start:

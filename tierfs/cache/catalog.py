@@ -91,6 +91,9 @@ class SsdCatalog:
         self._pending_add: dict[ChunkId, tuple[int, int]] = {}
         self._pending_del: set[ChunkId] = set()
         self._pending_freq: dict[ChunkId, int] = {}
+        # A batch whose write failed (set by write() in its thread, taken by take_pending() on
+        # the loop; flushes are sequential, so the two never overlap)
+        self._failed: tuple[dict, set, dict] | None = None
 
     def load(self) -> list[tuple[str, int, int, int, int]]:
         """All recorded chunks as (file_key, idx, length, checksum, freq)."""
@@ -112,26 +115,46 @@ class SsdCatalog:
 
     def take_pending(self) -> tuple[dict, set, dict]:
         """Swap out the pending batch (on the event loop), to be written by :meth:`write`."""
-        batch = (self._pending_add, self._pending_del, self._pending_freq)
+        adds, dels, freqs = self._pending_add, self._pending_del, self._pending_freq
         self._pending_add, self._pending_del, self._pending_freq = {}, set(), {}
-        return batch
+        failed, self._failed = self._failed, None
+        if failed is not None:  # the failed batch first; records made since override it
+            old_adds, old_dels, old_freqs = failed
+            for cid in dels:
+                old_adds.pop(cid, None)
+            for cid in adds:
+                old_dels.discard(cid)
+            adds, dels, freqs = old_adds | adds, old_dels | dels, old_freqs | freqs
+        return adds, dels, freqs
 
     def write(self, batch: tuple[dict, set, dict]) -> None:
+        """Write a batch from :meth:`take_pending` in one transaction. Raises sqlite3.Error
+        (a full or failing disk); the transaction is then rolled back and the batch is kept
+        for the next :meth:`take_pending`, so no record is lost to a failed write."""
         adds, dels, freqs = batch
         if not (adds or dels or freqs):
             return
         with self._lock:
-            self._db.execute("BEGIN")
-            self._db.executemany("DELETE FROM chunk WHERE file_key=? AND idx=?", list(dels))
-            self._db.executemany(
-                "INSERT OR REPLACE INTO chunk VALUES (?, ?, ?, ?, ?)",
-                [(k, i, ln, _to_sql(ck), freqs.get((k, i), 1)) for (k, i), (ln, ck) in adds.items()],
-            )
-            self._db.executemany(
-                "UPDATE chunk SET freq=? WHERE file_key=? AND idx=?",
-                [(f, k, i) for (k, i), f in freqs.items() if (k, i) not in adds],
-            )
-            self._db.execute("COMMIT")
+            try:
+                self._write(adds, dels, freqs)
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                self._failed = batch
+                raise
+
+    def _write(self, adds: dict, dels: set, freqs: dict) -> None:
+        self._db.execute("BEGIN")
+        self._db.executemany("DELETE FROM chunk WHERE file_key=? AND idx=?", list(dels))
+        self._db.executemany(
+            "INSERT OR REPLACE INTO chunk VALUES (?, ?, ?, ?, ?)",
+            [(k, i, ln, _to_sql(ck), freqs.get((k, i), 1)) for (k, i), (ln, ck) in adds.items()],
+        )
+        self._db.executemany(
+            "UPDATE chunk SET freq=? WHERE file_key=? AND idx=?",
+            [(f, k, i) for (k, i), f in freqs.items() if (k, i) not in adds],
+        )
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 import xxhash
@@ -119,6 +121,10 @@ class Cache:
         self.staging_capacity = staging_bytes
         self.staging_used = 0
         self._moving: set[ChunkId] = set()
+        # Punches (key (tier, chunk id)) and file removals (key (tier, file key)) running in a
+        # tier's threads; a chunk is not written to that tier file until they are done, or the
+        # late punch or unlink would destroy it (see _quiet).
+        self._tier_busy: dict[tuple[int, ChunkId | str], trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self.staging_hits = 0
         self.staging_bytes_served = 0
@@ -461,13 +467,14 @@ class Cache:
                 continue
             checksum = xxhash.xxh3_64_intdigest(data) if t == self.persistent_tier else 0
             try:
+                await self._quiet(t, cid)
                 # Even on tmpfs a 4 MiB write costs ~3 ms of page allocation: measured at 25% of
                 # the event loop's time on a cold sequential read, so it runs in the tier's
                 # thread (reads of tmpfs stay inline; they are cheap).
                 await self.devices[t].run(tier.write, cid[0], cid[1] * self.chunk_size, data)
             except TierIOError as e:
                 tier.release(length)
-                self._tier_write_failed(t, cid, e)
+                await self._tier_write_failed(t, cid, e)
                 continue
             except BaseException:  # cancelled (unmount): the reservation must not leak
                 tier.release(length)
@@ -482,10 +489,9 @@ class Cache:
             return t
         return None
 
-    def _tier_write_failed(self, t: int, cid: ChunkId, e: TierIOError) -> None:
+    async def _tier_write_failed(self, t: int, cid: ChunkId, e: TierIOError) -> None:
         tier = self.tiers[t]
         tier.errors += 1
-        tier.punch(cid[0], cid[1] * self.chunk_size, self.chunk_size)
         if is_enospc(OSError(e.errno, "")):
             # The filesystem filled from outside (cvmfs#3083): never exceed what it has left.
             tier.effective_capacity = max(0, tier.used)
@@ -494,6 +500,35 @@ class Cache:
                         tier.name, tier.used)
         else:
             log.warning("%s", e)
+        await self._punch(t, cid, self.chunk_size)  # what the failed write did allocate
+
+    async def _quiet(self, t: int, cid: ChunkId) -> None:
+        """Wait until no punch of ``cid`` and no removal of its file runs on tier ``t``."""
+        while True:
+            busy = self._tier_busy.get((t, cid)) or self._tier_busy.get((t, cid[0]))
+            if busy is None:
+                return
+            await busy.wait()
+
+    async def _in_tier_thread(self, t: int, busy: ChunkId | str, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` in tier ``t``'s threads, marked busy for :meth:`_quiet` meanwhile."""
+        done = self._tier_busy[(t, busy)] = trio.Event()
+        try:
+            await self.devices[t].run(fn, *args)
+        finally:
+            del self._tier_busy[(t, busy)]
+            done.set()
+
+    async def _punch(self, t: int, cid: ChunkId, length: int) -> None:
+        """Free a chunk's blocks in tier ``t``. A persistent tier's punch runs in its threads
+        (an SSD busy with writes takes ms to tens of ms for one); a RAM tier's (tmpfs frees
+        its pages) stays inline."""
+        tier = self.tiers[t]
+        if tier.inline:
+            tier.punch(cid[0], cid[1] * self.chunk_size, length)
+            return
+        await self._quiet(t, cid)
+        await self._in_tier_thread(t, cid, tier.punch, cid[0], cid[1] * self.chunk_size, length)
 
     async def _make_room(self, t: int, need: int, prior: int, newcomer: ChunkId | None = None) -> bool:
         """Evict victims of tier ``t`` (demoting them) until ``need`` bytes are free, if the
@@ -595,10 +630,10 @@ class Cache:
             while entry.pins > 0:  # noqa: ASYNC110 - pins are counters; a pread ends within ms
                 await trio.sleep(0.001)
             self.tiers[src].release(entry.length)
-            self.tiers[src].punch(cid[0], cid[1] * self.chunk_size, entry.length)
             if src == self.persistent_tier and self.ssd_catalog is not None:
                 self.ssd_catalog.record_remove(cid)
-            self._maybe_remove_file(src, cid[0])
+            await self._punch(src, cid, entry.length)
+            await self._maybe_remove_file(src, cid[0])
         finally:
             self._moving.discard(cid)
             staged = self.staging.get(cid)
@@ -618,19 +653,20 @@ class Cache:
         if self.plan is not None:
             self.plan.forget_chunk(cid)
         tier.release(entry.length)
-        if tier.inline:
-            tier.punch(cid[0], cid[1] * self.chunk_size, entry.length)
-        else:
-            await self.devices[t].run(tier.punch, cid[0], cid[1] * self.chunk_size, entry.length)
         if t == self.persistent_tier and self.ssd_catalog is not None:
             self.ssd_catalog.record_remove(cid)
-        self._maybe_remove_file(t, cid[0])
+        await self._punch(t, cid, entry.length)
+        await self._maybe_remove_file(t, cid[0])
 
-    def _maybe_remove_file(self, t: int, key: str) -> None:
-        if not self.catalog.file_has_tier(key, t) and not any(
+    async def _maybe_remove_file(self, t: int, key: str) -> None:
+        """Delete tier ``t``'s file of ``key`` once no chunk of it is there or on its way. In
+        the tier's threads: unlinking a multi-GB file frees its blocks (or pages) for tens to
+        hundreds of ms. A chunk placed meanwhile waits for it (:meth:`_quiet`)."""
+        if (t, key) in self._tier_busy or self.catalog.file_has_tier(key, t) or any(
             c[0] == key for c in self._moving
         ):
-            self.tiers[t].remove_file(key)
+            return
+        await self._in_tier_thread(t, key, self.tiers[t].remove_file, key)
 
     async def drop_file(self, key: str) -> int:
         """Forget every cached chunk of a file identity (the backing file changed). Returns

@@ -74,6 +74,18 @@ def fuse_errors(what: str) -> Iterator[None]:
         raise pyfuse3.FUSEError(errno.EIO) from None
 
 
+@contextmanager
+def logged_errors(what: str) -> Iterator[None]:
+    """For the handlers that cannot answer an error (release, releasedir, forget): log and
+    swallow it, since any exception but FUSEError leaving a handler ends pyfuse3's main loop."""
+    try:
+        yield
+    except trio.Cancelled:
+        raise
+    except Exception:
+        log.exception("%s: unexpected error (ignored: the kernel takes no reply)", what)
+
+
 def _lstat_or_none(path: bytes) -> os.stat_result | None:
     try:
         return os.lstat(path)
@@ -274,7 +286,8 @@ class Operations(pyfuse3.Operations):
 
     async def forget(self, inode_list):  # type: ignore[no-untyped-def,override]
         for inode, n in inode_list:
-            self.inodes.forget(inode, n)
+            with logged_errors("forget"):  # one bad inode must not leak the others' lookups
+                self.inodes.forget(inode, n)
 
     async def getattr(self, inode, ctx=None):  # type: ignore[no-untyped-def,override]
         with fuse_errors("getattr"):
@@ -395,7 +408,8 @@ class Operations(pyfuse3.Operations):
                 entry.lookups += 1
 
     async def releasedir(self, fh):  # type: ignore[no-untyped-def,override]
-        self.handles.pop(fh)
+        with logged_errors("releasedir"):
+            self.handles.pop(fh)
 
     async def fsyncdir(self, fh, datasync):  # type: ignore[no-untyped-def,override]
         with fuse_errors("fsyncdir"):
@@ -790,17 +804,18 @@ class Operations(pyfuse3.Operations):
                 await self.wb.fsync(h.dirty)
 
     async def release(self, fh):  # type: ignore[no-untyped-def,override]
-        h = self.handles.pop(fh)
-        if isinstance(h, ControlHandle):
-            self.control.pending_bytes -= len(h.request)  # a request never finished
-            h.request = bytearray()
-        if isinstance(h, FileHandle):
-            self.readahead.forget(h.readahead)
-            self.cache.forget_access(h.access)
-            if h.file is not None:
-                self._release_backing(h.file)
-            if h.dirty is not None:
-                await self.wb.closed(h.dirty, h.writer)
+        with logged_errors("release"):  # the kernel ignores release's answer
+            h = self.handles.pop(fh)
+            if isinstance(h, ControlHandle):
+                self.control.pending_bytes -= len(h.request)  # a request never finished
+                h.request = bytearray()
+            if isinstance(h, FileHandle):
+                self.readahead.forget(h.readahead)
+                self.cache.forget_access(h.access)
+                if h.file is not None:
+                    self._release_backing(h.file)
+                if h.dirty is not None:
+                    await self.wb.closed(h.dirty, h.writer)
 
     # -- control commands --------------------------------------------------------------------
     async def _control_write(self, h: ControlHandle, buf: bytes) -> int:

@@ -1,0 +1,81 @@
+"""The event-loop watch (tierfs.loopwatch), in-process on a fake step clock."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+
+from tierfs import loopwatch
+from tierfs.loopwatch import LoopWatch
+
+
+class StepClock:
+    """Stands in for ``time.perf_counter``: a task "blocks" by advancing it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def blocker(clock: StepClock, seconds: list[float]) -> None:
+    for s in seconds:
+        clock.now += s  # as if the step ran a blocking call this long
+        await trio.lowlevel.checkpoint()
+
+
+def test_counts_steps_over_the_bound_and_keeps_the_worst(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    clock = StepClock()
+    monkeypatch.setattr(loopwatch.time, "perf_counter", clock)
+    watch = LoopWatch(0.020)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(blocker, clock, [0.001, 0.030, 0.001, 0.050], name="slowpoke")
+            n.start_soon(blocker, clock, [0.005, 0.005], name="fine")
+
+    with caplog.at_level(logging.WARNING, logger="tierfs.loop"):
+        trio.run(main, instruments=[watch])
+    st = watch.statistics()
+    assert st.over == 2 and st.worst_ms == pytest.approx(50.0) and st.bound_ms == 20.0
+    assert st.worst_task.startswith("slowpoke @ ") and "test_loopwatch.py:" in st.worst_task
+    [(where, off)] = st.offenders.items()
+    assert where == st.worst_task and off.count == 2 and off.worst_ms == pytest.approx(50.0)
+    # logged once per offender, not once per step
+    assert [r.getMessage().split(" in ", 1)[1] for r in caplog.records] == [where]
+    assert st.steps >= 6
+
+
+def test_bound_from_env() -> None:
+    assert loopwatch.bound_from_env({}) is None
+    assert loopwatch.bound_from_env({loopwatch.ENV: "50"}) == pytest.approx(0.05)
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(ValueError, match=loopwatch.ENV):
+            loopwatch.bound_from_env({loopwatch.ENV: bad})
+
+
+def test_names_where_the_step_began_and_ended_and_folds_request_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = StepClock()
+    monkeypatch.setattr(loopwatch.time, "perf_counter", clock)
+    watch = LoopWatch(0.010)
+
+    async def handler() -> None:
+        await trio.lowlevel.checkpoint()
+        clock.now += 0.020  # blocks, then ends without another checkpoint
+
+    async def main() -> None:
+        trio.lowlevel.add_instrument(watch)  # added mid-step: that step is not timed
+        clock.now += 100.0
+        async with trio.open_nursery() as n:
+            for i in range(3):
+                n.start_soon(handler, name=f"pyfuse-{i}")
+
+    trio.run(main)
+    st = watch.statistics()
+    assert st.over == 3 and st.worst_ms == pytest.approx(20.0)
+    [where] = st.offenders
+    assert where.startswith("pyfuse @ test_loopwatch.py:") and where.endswith("-> end")

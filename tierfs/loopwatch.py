@@ -1,0 +1,169 @@
+"""How long the daemon's event loop is blocked: a trio instrument timing each task step.
+
+Every FUSE request, write-back and prefetch shares one trio event loop; a task step (the code a
+task runs between two checkpoints) that takes long holds up all of them. The rule (see
+docs/concurrency.md) is that blocking work runs in a thread; this instrument enforces it. It
+times every step with ``time.perf_counter`` and, for a step longer than the bound, counts it,
+keeps the worst, and logs once per offender: the task's name, the line where the step began
+(where the task resumed) and where it ended (where it awaited next, or "end"); the code that
+blocked lies between the two.
+
+Enabled by the environment variable ``TIERFS_LOOP_BOUND_MS`` (milliseconds, > 0) in the
+daemon's environment; off otherwise (two clock reads per step are cheap but not free). The test
+suite's mount fixtures enable it and fail a test whose daemon exceeded the bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+from typing import Any
+
+import trio
+
+ENV = "TIERFS_LOOP_BOUND_MS"
+MAX_OFFENDERS = 64  # distinct offenders kept (each a task name and line); the rest are counted only
+
+log = logging.getLogger("tierfs.loop")
+
+
+@dataclass(frozen=True)
+class Offender:
+    """Steps of one task (at one suspension point) that exceeded the bound."""
+
+    count: int
+    worst_ms: float
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """Counters of :class:`LoopWatch` (``stats.json`` key ``loop``). Times in milliseconds."""
+
+    bound_ms: float
+    steps: int  # task steps timed
+    over: int  # steps longer than the bound
+    worst_ms: float  # the longest step
+    worst_task: str  # its task and suspension point ("" if no step exceeded the bound)
+    offenders: dict[str, Offender] = field(default_factory=dict)
+
+
+# Frames of these (trio's traps, contextlib, pyfuse3) are where every task suspends; the
+# interesting frame is the innermost one outside them: tierfs' own code (or a test's).
+_LIBRARY_DIRS = tuple({sysconfig.get_path(k) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _frame(task: trio.lowlevel.Task) -> tuple[FrameType, int] | None:
+    """The innermost frame of our own code (library frames skipped) the task is suspended in,
+    with its line then (a frame's line moves on when it runs again), or None (not started, or
+    finished)."""
+    found: tuple[FrameType, int] | None = None
+    coro: Any = task.coro
+    for _ in range(64):  # an await chain is never this deep; the cap only guards a cycle
+        f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if f is not None and not f.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            found = (f, f.f_lineno)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if coro is None:
+            break
+    return found
+
+
+def _at(place: tuple[FrameType, int] | None) -> str:
+    if place is None:
+        return "?"
+    path = place[0].f_code.co_filename
+    short = path.rsplit("/tierfs/", 1)[-1] if "/tierfs/" in path else os.path.basename(path)
+    return f"{short}:{place[1]}"
+
+
+def _task_name(task: trio.lowlevel.Task) -> str:
+    """The task's name without a per-request number (pyfuse3 names its workers pyfuse-N)."""
+    return re.sub(r"-\d+$", "", task.name)
+
+
+class LoopWatch(trio.abc.Instrument):
+    """Counts task steps longer than ``bound_s`` seconds (see the module docstring).
+
+    Runs in the event loop's thread only (trio calls instruments there); not thread-safe.
+    """
+
+    def __init__(self, bound_s: float, logger: logging.Logger = log) -> None:
+        if not bound_s > 0:
+            raise ValueError(f"loop bound must be > 0 s, got {bound_s!r}")
+        self.bound_s = bound_s
+        self.log = logger
+        self.steps = 0
+        self.over = 0
+        self.worst_s = 0.0
+        self.worst_task = ""
+        self._offenders: dict[str, list[float]] = {}  # where -> [count, worst seconds]
+        self._started: float | None = None  # None: the step began before the watch was added
+        self._resumed_at: tuple[FrameType, int] | None = None
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._resumed_at = _frame(task)
+        self._started = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self._started is None:
+            return
+        took = time.perf_counter() - self._started
+        self._started = None
+        self.steps += 1
+        if took > self.worst_s:
+            self.worst_s = took
+        if took <= self.bound_s:
+            return
+        self.over += 1
+        # from where the task resumed to where it suspended next (or ended): the code between
+        after = _frame(task)
+        where = f"{_task_name(task)} @ {_at(self._resumed_at)} -> {_at(after) if after else 'end'}"
+        if took >= self.worst_s:
+            self.worst_task = where
+        known = self._offenders.get(where)
+        if known is not None:
+            known[0] += 1
+            known[1] = max(known[1], took)
+            return
+        if len(self._offenders) < MAX_OFFENDERS:
+            self._offenders[where] = [1, took]
+        self.log.warning("event loop blocked %.1f ms (bound %.0f ms) in %s", took * 1e3,
+                         self.bound_s * 1e3, where)
+
+    def statistics(self) -> LoopStats:
+        return LoopStats(
+            bound_ms=self.bound_s * 1e3, steps=self.steps, over=self.over,
+            worst_ms=round(self.worst_s * 1e3, 3), worst_task=self.worst_task,
+            offenders={k: Offender(int(c), round(w * 1e3, 3)) for k, (c, w) in self._offenders.items()})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self.statistics())
+
+
+def bound_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
+    """The bound in seconds from ``TIERFS_LOOP_BOUND_MS``, or None when unset or empty.
+
+    Raises:
+        ValueError: a value that is not a number > 0 (naming the variable).
+    """
+    text = environ.get(ENV, "").strip()
+    if not text:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        raise ValueError(f"{ENV}: expected milliseconds > 0, got {text!r}") from None
+    if not ms > 0:
+        raise ValueError(f"{ENV}: expected milliseconds > 0, got {text!r}")
+    return ms / 1e3
+
+
+def install(watch: LoopWatch) -> None:
+    """Add ``watch`` to the running trio loop (steps are timed from the next one on)."""
+    trio.lowlevel.add_instrument(watch)
+    log.debug("event loop watch: steps longer than %.0f ms are counted and logged", watch.bound_s * 1e3)
