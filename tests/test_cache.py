@@ -4,6 +4,7 @@ clock: invariants (hypothesis) and the no-thrash property on epoch-shuffled read
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -233,40 +234,98 @@ async def test_ssd_catalog_round_trip(tmp_path: Path, autojump_clock) -> None:  
 async def test_promotion_never_punches_a_chunk_under_a_concurrent_reader(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A chunk in the SSD tier is read by several handles at once; the first hit promotes it to
     RAM and frees its SSD slot. Readers still in their (slow) SSD pread must get the data, not
-    the zeros of a punched hole (fresh-clone CI: fio verify after kill -9 + remount)."""
+    the zeros of a punched hole (fresh-clone CI: fio verify after kill -9 + remount).
+
+    The interleaving is forced, not timed: three readers are held inside their SSD reads (in
+    the SSD device's threads) until the promotion has placed the chunk in RAM and then either
+    punched the SSD copy (the bug: the readers then read the hole) or is waiting for them to
+    finish (it has placed the chunk but not called ``_punch``: the readers are let go)."""
     cache, sched, _ = make_cache(tmp_path, ram=8 * CS, ssd=16 * CS)
+    # three held readers, the promotion's read and its punch each need an SSD thread at once
+    cache.devices[1].limiter.total_tokens = 8
     f = bfile(1, CS)
+    cid = (f.key, 0)
     want = content(f.path, 0, CS)
     real_read = Tier.read
+    hold = 60.0  # seconds: only a guard against a hang (a broken hook), never reached when it works
+    entered = threading.Semaphore(0)  # one release per reader inside its SSD read
+    armed = threading.Event()  # set right after the first reader, before the promotion runs
+    go = threading.Event()  # lets the held readers read
+    lock = threading.Lock()
+    inside = 0  # readers inside their SSD read (pinned, before or in the pread)
+    punched_under: list[int] = []  # readers inside when the SSD copy was punched: must stay empty
 
-    def slow_ssd_read(self, key, offset, length):  # type: ignore[no-untyped-def]
-        if self.name == "ssd":
-            import time
+    def held_ssd_read(self, key, offset, length):  # type: ignore[no-untyped-def]
+        nonlocal inside
+        if self.name != "ssd" or key != f.key or not armed.is_set():
+            return real_read(self, key, offset, length)
+        if (offset, length) == (0, CS):  # the promotion's own read: once every reader is in
+            for _ in range(3):
+                assert entered.acquire(timeout=hold), "a reader never reached its SSD read"
+            return real_read(self, key, offset, length)
+        with lock:
+            inside += 1
+        entered.release()
+        try:
+            assert go.wait(timeout=hold), "the promotion neither punched nor waited for the readers"
+            return real_read(self, key, offset, length)
+        finally:
+            with lock:
+                inside -= 1
 
-            time.sleep(0.02)  # in the SSD device thread: the promotion overtakes it
-        return real_read(self, key, offset, length)
+    real_place = cache._place
+    real_punch = cache._punch
+    placed_in_ram = trio.Event()
+    punches: list[int] = []
+
+    async def place_hook(c, data, prior, tiers):  # type: ignore[no-untyped-def]
+        t = await real_place(c, data, prior, tiers)
+        if c == cid and t == 0:
+            placed_in_ram.set()  # the promotion goes on from here without a checkpoint
+        return t
+
+    async def punch_hook(t, c, length):  # type: ignore[no-untyped-def]
+        if c == cid and t == 1:
+            punches.append(t)
+            with lock:
+                if inside:
+                    punched_under.append(inside)
+        await real_punch(t, c, length)
+        go.set()  # the readers now read whatever the SSD holds
+
+    async def referee() -> None:
+        await placed_in_ram.wait()
+        # Every task has run on until it blocks: the promotion into _punch (the bug) or into
+        # its wait for the pinned readers (the fix). In the second case let the readers go.
+        await trio.testing.wait_all_tasks_blocked()
+        if not punches:
+            go.set()
 
     async with trio.open_nursery() as n:
         cache.attach(n)
         await n.start(sched.run)
-        cid = (f.key, 0)
         cache._moving.add(cid)
         assert await cache._place(cid, want, 0, range(1, 2)) == 1  # resident in the SSD tier
         cache._moving.discard(cid)
         cache.catalog.entries[cid].verified = True
-        monkeypatch.setattr(Tier, "read", slow_ssd_read)
-        got: list[bytes] = []
+        monkeypatch.setattr(Tier, "read", held_ssd_read)
+        monkeypatch.setattr(cache, "_place", place_hook)
+        monkeypatch.setattr(cache, "_punch", punch_hook)
+        got: dict[int, bytes] = {}
 
-        async def reader(offset: int) -> None:
-            got.append(await cache.read(f, offset, CS // 4, AccessState()))
+        async def reader(k: int) -> None:
+            got[k] = await cache.read(f, k * CS // 4, CS // 4, AccessState())
 
         await reader(0)  # a hit in the SSD tier: its promotion starts now, in the background
-        async with trio.open_nursery() as readers:  # found the chunk in SSD, still reading it there
+        armed.set()  # no checkpoint since the hit: the promotion has not read yet
+        async with trio.open_nursery() as readers:  # find the chunk in SSD, held in their read there
+            readers.start_soon(referee)
             for k in range(1, 4):
-                readers.start_soon(reader, k * CS // 4)
+                readers.start_soon(reader, k)
         await settle(cache)
-        assert got[0] == want[: CS // 4]
-        assert sorted(got[1:]) == sorted(want[k * CS // 4:(k + 1) * CS // 4] for k in range(1, 4))
+        assert punched_under == []
+        assert punches == [1]  # the SSD copy was freed, once
+        assert got == {k: want[k * CS // 4:(k + 1) * CS // 4] for k in range(4)}
         assert cache.catalog.entries[cid].tier == 0  # promoted
         assert cache.check() == []
         n.cancel_scope.cancel()

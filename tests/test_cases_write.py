@@ -149,7 +149,7 @@ def test_c05_lmdb_flush_while_env_open_then_close(tiermount) -> None:
     flush(m)  # while the env (data.mdb and lock.mdb open for writing) stays open
     env.close()
     flush(m)
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 60  # a hang guard: the default write-back deadline is 120 s
     while time.monotonic() < deadline and m.stats()["writeback"]["dirty_files"]:
         time.sleep(0.1)
     wb = m.stats()["writeback"]

@@ -368,17 +368,18 @@ def test_h5py_create_and_read_with_file_locking(wm: Mount, wdir: Path, tmp_path:
     want = py(H5_READ, str(local), env=env)
     assert py(H5_READ, str(p), env=env) == want
     # a writer holds the file: readers are refused (as locally)
-    hold = "import h5py,sys,time; f=h5py.File(sys.argv[1],'a'); print('ready',flush=True); time.sleep(30)"
+    # the holder keeps the file open until it is killed (it waits on a stdin nobody writes)
+    hold = "import h5py,sys; f=h5py.File(sys.argv[1],'a'); print('ready',flush=True); sys.stdin.read()"
     probes = []
     for f in (local, p):
-        holder = subprocess.Popen([sys.executable, "-c", hold, str(f)], stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, **env})
+        holder = subprocess.Popen([sys.executable, "-c", hold, str(f)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
             probes.append(py(H5_LOCK_PROBE, str(f), env=env))
         finally:
             holder.kill()
-            holder.wait()
+            holder.communicate()  # reaps it and closes its pipes
     assert probes[1] == probes[0] == "locked"
     assert py(H5_READ, str(p), env=env) == want
     flush(wm)
