@@ -230,18 +230,18 @@ def main(argv: list[str] | None = None) -> int:
             run_for = rnd.uniform(0.2, 3.0)
             deadline = time.monotonic() + run_for
             os.set_blocking(writer.stdout.fileno(), False)  # type: ignore[union-attr]
-            buf = ""
+            buf = [""]
 
-            def drain() -> None:
-                nonlocal buf
+            def drain(writer: subprocess.Popen = writer, pending: set[str] = pending,
+                      buf: list[str] = buf) -> None:
                 try:
                     chunk = writer.stdout.read()  # type: ignore[union-attr]
                 except (TypeError, OSError):
                     chunk = None
                 if chunk:
-                    buf += chunk
-                while "\n" in buf:
-                    line, buf = buf.split("\n", 1)
+                    buf[0] += chunk
+                while "\n" in buf[0]:
+                    line, buf[0] = buf[0].split("\n", 1)
                     ev = json.loads(line)
                     if "start" in ev:
                         pending.add(ev["rel"])
