@@ -14,9 +14,12 @@ import errno
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
+
+if TYPE_CHECKING:
+    from tierfs.backing_tree import BackingTree
 
 T = TypeVar("T")
 
@@ -83,15 +86,11 @@ class Device:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 
-def open_backing(path: bytes) -> tuple[int, os.stat_result]:
-    """Open a backing file read-only (never following a final symlink) and fstat it.
-    Returns (fd, stat). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        return fd, os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
+def open_backing(tree: BackingTree, rel: bytes) -> tuple[int, os.stat_result]:
+    """Open backing file ``rel`` (relative to the backing root) read-only and fstat it, resolved
+    beneath the root without following any symlink (:meth:`BackingTree.open_read`).
+    Returns (fd, stat). Raises OSError (ELOOP: a symlink on the way; EISDIR: a directory)."""
+    return tree.open_read(rel)
 
 
 def pread_exact(fd: int, length: int, offset: int) -> bytes:
