@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -87,10 +88,21 @@ class Device:
 
 
 def open_backing(tree: BackingTree, rel: bytes) -> tuple[int, os.stat_result]:
-    """Open backing file ``rel`` (relative to the backing root) read-only and fstat it, resolved
-    beneath the root without following any symlink (:meth:`BackingTree.open_read`).
-    Returns (fd, stat). Raises OSError (ELOOP: a symlink on the way; EISDIR: a directory)."""
-    return tree.open_read(rel)
+    """Open regular file ``rel`` of the backing tree (relative to its root) read-only and fstat
+    it, resolved beneath the root without following any symlink. ``O_NONBLOCK``: a fifo put
+    in the file's place never blocks the caller (it is refused, as anything not a regular file).
+    Returns (fd, stat). Raises OSError (ELOOP: a symlink on the way; EISDIR: a directory;
+    EINVAL: another non-regular file)."""
+    fd = tree.open(rel, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            e = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise OSError(e, os.strerror(e), rel)
+        return fd, st
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def pread_exact(fd: int, length: int, offset: int) -> bytes:

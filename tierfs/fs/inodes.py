@@ -97,12 +97,12 @@ class InodeTable:
         n = self._numbers.get(key)
         if n is None and key[0] == self.root_dev and 0 <= key[1] < DERIVED_BASE:
             n = DERIVED_BASE + key[1]
-        if n is not None:
-            live = self.by_inode.get(n)
-            if live is None or live.dev_ino == key:
-                return n
-        # not derivable, or the number is held by a live inode whose backing inode was
-        # recycled by the filesystem (it was rewritten): a counter number, kept for good
+        if n is not None and n not in self.by_inode:
+            return n
+        # Not derivable, or the number is held by a live inode that no longer maps to this
+        # backing inode (unlinked, or rewritten, while the kernel still holds it; the
+        # filesystem recycled its number): a counter number, kept for the mount's life.
+        # Called only for a key no live entry maps.
         n = self._counter()
         self._numbers[key] = n
         return n
@@ -146,6 +146,10 @@ class InodeTable:
             elif p is not None and p.startswith(prefix):
                 entry.path = new + p[len(old):]
 
+    def naming(self, path: bytes) -> list[InodeEntry]:
+        """Every entry whose path is ``path`` (held or not)."""
+        return [e for e in self.by_inode.values() if e.path == path]
+
     def detach(self, path: bytes) -> None:
         """``path`` was unlinked: entries naming it keep working through open handles only, and
         its backing (st_dev, st_ino), which the filesystem may reuse, no longer maps to them."""
@@ -154,6 +158,15 @@ class InodeTable:
                 entry.path = None
                 if self.by_dev_ino.get(entry.dev_ino) is entry:
                     del self.by_dev_ino[entry.dev_ino]
+
+    def reattach(self, path: bytes, entries: list[InodeEntry]) -> None:
+        """Undo :meth:`detach` of ``entries`` (an operation that would have replaced ``path``
+        was refused)."""
+        for entry in entries:
+            if entry.path is None and entry.inode in self.by_inode:
+                entry.path = path
+                if entry.dev_ino[0] >= 0:
+                    self.by_dev_ino.setdefault(entry.dev_ino, entry)
 
     def remember(self, path: bytes, st: os.stat_result) -> InodeEntry:
         """The inode for a backing object, created if new; one lookup is added."""

@@ -527,7 +527,11 @@ class Operations(pyfuse3.Operations):
             elif entry.orphan is None:
                 st = await self.meta.run(_lstat_or_none, self.tree, path)
                 if st is not None and stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == entry.dev_ino:
-                    entry.orphan = await self._backing_file(path)
+                    bf = await self._backing_file(path)
+                    if (bf.identity.dev, bf.identity.ino) == entry.dev_ino:
+                        entry.orphan = bf
+                    else:  # replaced between the lstat and the open (a write-back committed)
+                        self._release_backing(bf)
 
     def _on_forget(self, entry: InodeEntry) -> None:
         if entry.orphan is not None:
@@ -576,11 +580,15 @@ class Operations(pyfuse3.Operations):
             if src_is_dir and self.wb.has_children(new):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)  # the target dir holds unwritten files
             await self._preserve(new)
+            # The target's inodes are detached before the rename (a lookup during its await
+            # must not hand out the old target) and reattached if the backing store refuses
+            # it (ENOTEMPTY, EISDIR, ...): the target stays as it was, usable.
+            replaced = self.inodes.naming(new)
+            self.inodes.detach(new)
             moved = False
             if isinstance(src, DirtyFile):
                 moved = await self.wb.rename(src, new)
                 if moved:
-                    self.inodes.detach(new)
                     # an older version under the old name must not reappear there (stat only
                     # now: the dirty file itself is no longer at `old`)
                     shadowed = await self.meta.run(_lstat_or_none, self.tree, old)
@@ -590,10 +598,11 @@ class Operations(pyfuse3.Operations):
                 tdf = self.wb.get(new)
                 if tdf is not None:
                     await self.wb.unlink(tdf)
-                # The target's inodes are detached only once the rename succeeded: a refused
-                # rename (ENOTEMPTY, EISDIR, ...) leaves the target as it was, usable.
-                await self.meta.run(self.tree.rename, old, new)
-                self.inodes.detach(new)
+                try:
+                    await self.meta.run(self.tree.rename, old, new)
+                except BaseException:
+                    self.inodes.reattach(new, replaced)
+                    raise
                 if src_is_dir:
                     self.wb.rename_dir(old, new)
             self.inodes.rename(old, new)
