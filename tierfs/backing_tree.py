@@ -42,6 +42,8 @@ RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
+AT_EMPTY_PATH = 0x1000
+_libc.fchownat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int]
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 # A piece of a long path resolved in one openat2 call: under PATH_MAX (4096) with room to spare.
@@ -306,6 +308,28 @@ class BackingTree:
                     raise OSError(errno.ELOOP, "created object was swapped", rel)
                 os.chown(proc_path(fd), uid, gid)
                 os.chmod(proc_path(fd), perm)
+                return os.fstat(fd)
+            finally:
+                os.close(fd)
+
+    def make_symlink(self, target: bytes, rel: bytes, uid: int, gid: int) -> os.stat_result:
+        """Create symlink ``rel`` -> ``target`` owned by ``uid`` and ``gid`` (the parent's group
+        if it is setgid). The owner is set on exactly the link made: it is opened ``O_PATH |
+        O_NOFOLLOW`` in the same parent descriptor, checked to be a symlink, and changed with
+        ``fchownat(fd, "", AT_EMPTY_PATH)``, so a name swapped meanwhile (a hard link to
+        another's file) is never chowned. Returns its ``lstat``. Raises OSError."""
+        with self.parent(rel) as (dfd, name):
+            pst = os.fstat(dfd)
+            if pst.st_mode & stat.S_ISGID:
+                gid = pst.st_gid
+            os.symlink(target, name, dir_fd=dfd)
+            fd = openat2(dfd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISLNK(os.fstat(fd).st_mode):
+                    raise OSError(errno.ELOOP, "created symlink was swapped", rel)
+                if _libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e), rel)
                 return os.fstat(fd)
             finally:
                 os.close(fd)

@@ -98,7 +98,7 @@ def test_held_dir_swapped_for_symlink_creates_nothing_outside(attacker: User, se
 
 
 def test_setgid_directory_is_honoured(attacker: User, victim: User, secmount, shared_dir: Path) -> None:
-    """In a setgid directory new files, directories and fifos take the directory's group and a
+    """In a setgid directory new files, directories, fifos and symlinks take the directory's group and a
     new subdirectory keeps the setgid bit (as on a local filesystem), also on the backing store."""
     g = shared_dir / "back" / "team"
     g.mkdir()
@@ -112,16 +112,17 @@ os.umask(0o022)
 open(os.path.join(d, "f"), "w").close()
 os.mkdir(os.path.join(d, "sub"), 0o755)
 os.mkfifo(os.path.join(d, "fifo"), 0o644)
+os.symlink("f", os.path.join(d, "link"))
 """
     r = attacker.py(code, str(m.mnt / "team"))
     assert r.returncode == 0, r.stderr.decode()
-    for name in ("f", "sub", "fifo"):
+    for name in ("f", "sub", "fifo", "link"):
         st = os.lstat(m.mnt / "team" / name)
         assert (st.st_uid, st.st_gid) == (attacker.uid, victim.gid), name
     sub = os.lstat(m.mnt / "team" / "sub")
     assert stat.S_IMODE(sub.st_mode) == 0o2755
     tierfs_cmd("flush", str(m.mnt), timeout=60)
-    for name in ("f", "sub", "fifo"):
+    for name in ("f", "sub", "fifo", "link"):
         st = os.lstat(g / name)
         assert (st.st_uid, st.st_gid) == (attacker.uid, victim.gid), name
     assert stat.S_IMODE(os.lstat(g / "sub").st_mode) == 0o2755

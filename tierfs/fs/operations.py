@@ -485,13 +485,7 @@ class Operations(pyfuse3.Operations):
             path = self._new_child(parent_inode, name)
             if self.wb.get(path) is not None:
                 raise pyfuse3.FUSEError(errno.EEXIST)
-
-            def make() -> None:
-                gid = _new_owner_gid(self.tree, split(path)[0], ctx.gid)
-                self.tree.symlink(target, path)
-                self.tree.chown(path, ctx.uid, gid)  # the link itself (AT_SYMLINK_NOFOLLOW)
-
-            await self.meta.run(make)
+            await self.meta.run(self.tree.make_symlink, target, path, ctx.uid, ctx.gid)
             return await self._lookup_path(path)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def,override]
