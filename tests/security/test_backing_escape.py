@@ -170,3 +170,27 @@ def test_mkdir_then_chmod_never_follows_a_swapped_symlink(tmp_path: Path, monkey
     trio.run(main)
     st = os.lstat(victim_file)
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 0, 0)
+
+
+@pytest.mark.xfail(strict=True, reason="the write-back module still resolves absolute backing paths; "
+                   "remove this marker once it writes back through BackingTree")
+def test_dir_swapped_after_create_gets_no_write_back_outside(attacker: User, secmount, shared_dir: Path) -> None:
+    """The attacker writes a file through the mount (legitimately), then, before its write-back,
+    swaps its backing directory for a symlink to a root directory outside the backing root: the
+    write-back must not create the file there."""
+    atk = _attacker_home(shared_dir, attacker)
+    root_dir = shared_dir / "rootdir"
+    root_dir.mkdir(mode=0o755)
+    m = secmount(allow_other=True, extra=("-o", "writeback_deadline=3600"))
+    code = r"""
+import os, sys
+mnt_sub, back_atk, target = sys.argv[1:4]
+with open(os.path.join(mnt_sub, "planted"), "wb") as f:
+    f.write(b"attacker data")
+os.rename(os.path.join(back_atk, "sub"), os.path.join(back_atk, "old"))
+os.symlink(target, os.path.join(back_atk, "sub"))
+"""
+    r = attacker.py(code, str(m.mnt / "atk" / "sub"), str(atk), str(root_dir))
+    assert r.returncode == 0, r.stderr.decode()
+    tierfs_cmd("flush", str(m.mnt), timeout=60, check=False)
+    assert os.listdir(root_dir) == []
