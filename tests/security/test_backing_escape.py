@@ -194,3 +194,27 @@ os.symlink(target, os.path.join(back_atk, "sub"))
     assert r.returncode == 0, r.stderr.decode()
     tierfs_cmd("flush", str(m.mnt), timeout=60, check=False)
     assert os.listdir(root_dir) == []
+
+
+def test_unprivileged_user_cannot_make_devices(attacker: User, secmount, shared_dir: Path) -> None:
+    """The daemon runs as root: a device node made on behalf of a user would give them the
+    device. A fifo, yes; a character device, EPERM (as on a local filesystem)."""
+    pub = shared_dir / "back" / "pub"
+    pub.mkdir(mode=0o777)
+    os.chmod(pub, 0o1777)
+    m = secmount(allow_other=True)
+    code = r"""
+import errno, os, stat, sys
+d = sys.argv[1]
+os.mkfifo(os.path.join(d, "fifo"), 0o600)
+try:
+    os.mknod(os.path.join(d, "mem"), stat.S_IFCHR | 0o666, os.makedev(1, 1))
+    print("made")
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"""
+    r = attacker.py(code, str(m.mnt / "pub"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().strip() == "EPERM"
+    assert not os.path.lexists(pub / "mem")
+    assert os.lstat(pub / "fifo").st_uid == attacker.uid
