@@ -105,3 +105,41 @@ def test_rename_noreplace_and_xattrs(tree: BackingTree, tmp_path: Path) -> None:
     assert tree.getxattr(b"a", b"user.k") == b"v"
     assert "user.k" in tree.listxattr(b"a")
     tree.removexattr(b"a", b"user.k")
+
+
+def test_make_node_exact_mode_owner_and_setgid(tree: BackingTree, tmp_path: Path) -> None:
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        st = tree.make_node(b"d", stat.S_IFDIR | 0o775, 1234, 5678)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o775, 1234, 5678)
+        os.chown(tmp_path / "back" / "d", 0, 4321)
+        os.chmod(tmp_path / "back" / "d", 0o2775)
+        sub = tree.make_node(b"d/sub", stat.S_IFDIR | 0o755, 1234, 5678)
+        assert (stat.S_IMODE(sub.st_mode), sub.st_gid) == (0o2755, 4321)
+        fifo = tree.make_node(b"d/fifo", stat.S_IFIFO | 0o640, 1234, 5678)
+        assert stat.S_ISFIFO(fifo.st_mode) and (stat.S_IMODE(fifo.st_mode), fifo.st_gid) == (0o640, 4321)
+        link = tree.make_symlink(b"target", b"d/link", 1234, 5678)
+        assert stat.S_ISLNK(link.st_mode) and (link.st_uid, link.st_gid) == (1234, 4321)
+    finally:
+        os.umask(old)
+
+
+def test_make_symlink_never_chowns_a_swapped_name(tree: BackingTree, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name is replaced by a hard link to another's file right after the symlink is made."""
+    victim = tmp_path / "back" / "victim"
+    victim.write_text("root's")
+    real_symlink = os.symlink
+
+    def symlink_then_swap(target, name, *, dir_fd=None):  # type: ignore[no-untyped-def]
+        real_symlink(target, name, dir_fd=dir_fd)
+        os.unlink(name, dir_fd=dir_fd)
+        os.link(victim, name, dst_dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "symlink", symlink_then_swap)
+    with pytest.raises(OSError) as ei:
+        tree.make_symlink(b"t", b"s", 1234, 1234)
+    assert ei.value.errno == errno.ELOOP
+    assert (os.lstat(victim).st_uid, os.lstat(victim).st_gid) == (0, 0)

@@ -42,6 +42,8 @@ RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
+AT_EMPTY_PATH = 0x1000
+_libc.fchownat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_int]
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 # A piece of a long path resolved in one openat2 call: under PATH_MAX (4096) with room to spare.
@@ -275,6 +277,62 @@ class BackingTree:
     def mknod(self, rel: bytes, mode: int, device: int = 0) -> None:
         with self.parent(rel) as (dfd, name):
             os.mknod(name, mode, device, dir_fd=dfd)
+
+    def make_node(self, rel: bytes, mode: int, uid: int, gid: int, device: int = 0) -> os.stat_result:
+        """Create a directory (``S_IFDIR`` in ``mode``), fifo, socket, device or empty regular
+        file at ``rel`` owned by ``uid`` and with exactly ``mode & 0o7777`` whatever the daemon's
+        umask, as a local filesystem makes it for that caller: in a setgid directory the new
+        object takes the directory's group, and a new subdirectory keeps the setgid bit.
+
+        Owner and mode are applied to the new object itself: it is opened ``O_PATH |
+        O_NOFOLLOW`` relative to the same parent descriptor it was made in (a symlink swapped in
+        meanwhile is refused with ELOOP, never followed), then ``chown`` / ``chmod`` go through
+        ``/proc/self/fd/N``, which names exactly that inode. The owner goes first: a chown
+        clears the setgid bit. Returns the new object's ``lstat``. Raises OSError (EEXIST, ...).
+        """
+        with self.parent(rel) as (dfd, name):
+            pst = os.fstat(dfd)
+            perm = mode & 0o7777
+            if pst.st_mode & stat.S_ISGID:
+                gid = pst.st_gid
+                if stat.S_ISDIR(mode):
+                    perm |= stat.S_ISGID
+            if stat.S_ISDIR(mode):
+                os.mkdir(name, 0o700, dir_fd=dfd)
+            else:
+                os.mknod(name, stat.S_IFMT(mode) | 0o600, device, dir_fd=dfd)
+            fd = openat2(dfd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if stat.S_IFMT(st.st_mode) != stat.S_IFMT(mode):
+                    raise OSError(errno.ELOOP, "created object was swapped", rel)
+                os.chown(proc_path(fd), uid, gid)
+                os.chmod(proc_path(fd), perm)
+                return os.fstat(fd)
+            finally:
+                os.close(fd)
+
+    def make_symlink(self, target: bytes, rel: bytes, uid: int, gid: int) -> os.stat_result:
+        """Create symlink ``rel`` -> ``target`` owned by ``uid`` and ``gid`` (the parent's group
+        if it is setgid). The owner is set on exactly the link made: it is opened ``O_PATH |
+        O_NOFOLLOW`` in the same parent descriptor, checked to be a symlink, and changed with
+        ``fchownat(fd, "", AT_EMPTY_PATH)``, so a name swapped meanwhile (a hard link to
+        another's file) is never chowned. Returns its ``lstat``. Raises OSError."""
+        with self.parent(rel) as (dfd, name):
+            pst = os.fstat(dfd)
+            if pst.st_mode & stat.S_ISGID:
+                gid = pst.st_gid
+            os.symlink(target, name, dir_fd=dfd)
+            fd = openat2(dfd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISLNK(os.fstat(fd).st_mode):
+                    raise OSError(errno.ELOOP, "created symlink was swapped", rel)
+                if _libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e), rel)
+                return os.fstat(fd)
+            finally:
+                os.close(fd)
 
     def symlink(self, target: bytes, rel: bytes) -> None:
         with self.parent(rel) as (dfd, name):

@@ -12,11 +12,15 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
+
+if TYPE_CHECKING:
+    from tierfs.backing_tree import BackingTree
 
 T = TypeVar("T")
 
@@ -83,12 +87,19 @@ class Device:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
 
-def open_backing(path: bytes) -> tuple[int, os.stat_result]:
-    """Open a backing file read-only (never following a final symlink) and fstat it.
-    Returns (fd, stat). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+def open_backing(tree: BackingTree, rel: bytes) -> tuple[int, os.stat_result]:
+    """Open regular file ``rel`` of the backing tree (relative to its root) read-only and fstat
+    it, resolved beneath the root without following any symlink. ``O_NONBLOCK``: a fifo put
+    in the file's place never blocks the caller (it is refused, as anything not a regular file).
+    Returns (fd, stat). Raises OSError (ELOOP: a symlink on the way; EISDIR: a directory;
+    EINVAL: another non-regular file)."""
+    fd = tree.open(rel, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        return fd, os.fstat(fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            e = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise OSError(e, os.strerror(e), rel)
+        return fd, st
     except BaseException:
         os.close(fd)
         raise

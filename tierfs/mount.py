@@ -395,7 +395,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     restored = await trio.to_thread.run_sync(cache.load_persistent)
     if restored:
         log.info("SSD tier: %d chunks restored from %s", restored, plan.tiers[-1].path)
-    inodes = InodeTable(os.fsencode(plan.backing), os.stat(plan.backing))
+    tree = BackingTree(os.fsencode(plan.backing))  # every backing-store access resolves beneath it
+    inodes = InodeTable(tree)
     names = [t.name for t in plan.tiers]
     wt_name = cfg.write_tier if cfg.write_tier != "auto" else ("ssd" if "ssd" in names else "ram")
     wt = names.index(wt_name)
@@ -414,7 +415,6 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         df = writeback.get(rel)
         return df.size if df is not None and df.state.value != "clean" else 0
 
-    tree = BackingTree(os.fsencode(plan.backing))
     hints = HintService(cache=cache, scheduler=scheduler, tree=tree, meta=meta,
                         chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
                         dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size),
@@ -445,7 +445,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
     control = ControlPlane({"stats.json": render_stats, "pid": lambda: f"{os.getpid()}\n".encode(),
                             "config.json": render_config}, {wire.CTL_FILE: ctl})
-    ops = Operations(inodes=inodes, cache=cache, writeback=writeback,
+    ops = Operations(tree=tree, inodes=inodes, cache=cache, writeback=writeback,
                      readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                      control=control, meta=meta, attr_timeout=cfg.attr_timeout,
                      on_open_read=hints.file_opened, on_read_end=hints.file_read_end)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -47,8 +47,12 @@ class ControlHandle:
 
 @dataclass(eq=False)
 class DirHandle:
+    """An open directory: its listing, taken each time it is read from the start (first read,
+    ``rewinddir``), so entries made after the open show, as on a local filesystem.
+    ``entries`` hold an lstat result or a DirtyFile per name."""
+
     inode: int
-    entries: list[tuple[bytes, os.stat_result]]
+    entries: list[tuple[bytes, Any]]
 
 
 Handle = FileHandle | ControlHandle | DirHandle

@@ -1,9 +1,20 @@
 """Inode table: FUSE inode numbers <-> backing paths, with kernel lookup counts.
 
-tierfs numbers inodes itself (the backing store's numbers could collide with reserved ones)
-and maps each backing (st_dev, st_ino) to one FUSE inode while the kernel knows it, so hard
-links share an inode. An inode is forgotten when the kernel's lookup count drops to zero
-(FUSE protocol: every positive LOOKUP/READDIRPLUS/CREATE reply adds one; FORGET subtracts).
+Paths are relative to the backing root and only ever resolved through
+:class:`~tierfs.backing_tree.BackingTree`; this table never builds an absolute path.
+
+Inode numbers are stable for a backing object for the mount's life, also after the kernel
+forgot it (git, ``rsync -H`` and ``tar --listed-incremental`` compare them): an object on the
+backing root's filesystem with ``st_ino < 2**48`` gets ``2**48 + st_ino`` (a reversible map,
+no memory per object); any other object (another filesystem mounted inside the backing tree, a
+larger ``st_ino``, or a number still used by a live inode of an object whose backing inode was
+recycled) gets a number from a counter below ``2**48``, remembered in a table for the mount's
+life. Files that exist only as dirty files (created, not yet written back) take counter numbers
+too; after their write-back, once the kernel forgets them, they show the number of their new
+backing inode. Hard links share one backing ``(st_dev, st_ino)`` and so one inode.
+
+An inode is forgotten when the kernel's lookup count drops to zero (FUSE protocol: every
+positive LOOKUP/READDIRPLUS/CREATE reply adds one; FORGET subtracts).
 """
 
 from __future__ import annotations
@@ -16,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 import pyfuse3
 
 if TYPE_CHECKING:
+    from tierfs.backing_tree import BackingTree
     from tierfs.writeback.manager import DirtyFile
 
 ROOT = pyfuse3.ROOT_INODE
 CONTROL_DIR = 2  # <mnt>/.tierfs
 FIRST_CONTROL_FILE = 3
 FIRST_DYNAMIC = 64
+DERIVED_BASE = 1 << 48  # inode = DERIVED_BASE + st_ino for objects on the backing root's device
 
 
 @dataclass
@@ -37,12 +50,18 @@ class InodeEntry:
 
 
 class InodeTable:
-    def __init__(self, backing_root: bytes, root_stat: os.stat_result) -> None:
-        self.backing_root = backing_root
+    """Args: tree: the backing tree (its root becomes :data:`ROOT`)."""
+
+    def __init__(self, tree: BackingTree) -> None:
+        self.tree = tree
+        root_stat = tree.lstat(b"")
+        self.root_dev = root_stat.st_dev
         self._next = FIRST_DYNAMIC
         root = InodeEntry(ROOT, b"", (root_stat.st_dev, root_stat.st_ino), lookups=1)
         self.by_inode: dict[int, InodeEntry] = {ROOT: root}
         self.by_dev_ino: dict[tuple[int, int], InodeEntry] = {root.dev_ino: root}
+        # numbers not derivable from (st_dev, st_ino), kept after forget (see module docstring)
+        self._numbers: dict[tuple[int, int], int] = {}
         self.on_forget: Callable[[InodeEntry], None] | None = None
 
     def at_path(self, path: bytes) -> list[InodeEntry]:
@@ -56,27 +75,44 @@ class InodeTable:
         """Raises KeyError for an inode the kernel should not know."""
         return self.by_inode[inode]
 
-    def backing_path(self, entry: InodeEntry) -> bytes:
-        """Raises FileNotFoundError for an unlinked entry."""
+    def rel(self, entry: InodeEntry) -> bytes:
+        """The entry's path relative to the backing root. Raises FileNotFoundError for an
+        unlinked entry."""
         if entry.path is None:
             raise FileNotFoundError(2, "unlinked")
-        return self.backing_root + b"/" + entry.path if entry.path else self.backing_root
-
-    def abs(self, path: bytes) -> bytes:
-        return self.backing_root + b"/" + path if path else self.backing_root
+        return entry.path
 
     def child_path(self, parent: InodeEntry, name: bytes) -> bytes:
         if parent.path is None:
             raise FileNotFoundError(2, "parent directory was removed")
         return parent.path + b"/" + name if parent.path else name
 
+    def _counter(self) -> int:
+        n = self._next
+        self._next += 1
+        return n
+
+    def number_for(self, key: tuple[int, int]) -> int:
+        """The stable inode number of backing object ``key`` = (st_dev, st_ino)."""
+        n = self._numbers.get(key)
+        if n is None and key[0] == self.root_dev and 0 <= key[1] < DERIVED_BASE:
+            n = DERIVED_BASE + key[1]
+        if n is not None and n not in self.by_inode:
+            return n
+        # Not derivable, or the number is held by a live inode that no longer maps to this
+        # backing inode (unlinked, or rewritten, while the kernel still holds it; the
+        # filesystem recycled its number): a counter number, kept for the mount's life.
+        # Called only for a key no live entry maps.
+        n = self._counter()
+        self._numbers[key] = n
+        return n
+
     def remember_dirty(self, path: bytes, df: DirtyFile) -> InodeEntry:
         """The inode of a dirty file (new, or a copy of a backing file); one lookup added."""
         entry = self.by_inode.get(df.inode) if df.inode else None
         if entry is None:
             key = (-1, df.id)
-            entry = InodeEntry(self._next, path, key)
-            self._next += 1
+            entry = InodeEntry(self._counter(), path, key)
             self.by_inode[entry.inode] = entry
             self.by_dev_ino[key] = entry
         self.attach(entry, df)
@@ -110,6 +146,10 @@ class InodeTable:
             elif p is not None and p.startswith(prefix):
                 entry.path = new + p[len(old):]
 
+    def naming(self, path: bytes) -> list[InodeEntry]:
+        """Every entry whose path is ``path`` (held or not)."""
+        return [e for e in self.by_inode.values() if e.path == path]
+
     def detach(self, path: bytes) -> None:
         """``path`` was unlinked: entries naming it keep working through open handles only, and
         its backing (st_dev, st_ino), which the filesystem may reuse, no longer maps to them."""
@@ -119,19 +159,33 @@ class InodeTable:
                 if self.by_dev_ino.get(entry.dev_ino) is entry:
                     del self.by_dev_ino[entry.dev_ino]
 
+    def reattach(self, path: bytes, entries: list[InodeEntry]) -> None:
+        """Undo :meth:`detach` of ``entries`` (an operation that would have replaced ``path``
+        was refused)."""
+        for entry in entries:
+            if entry.path is None and entry.inode in self.by_inode:
+                entry.path = path
+                if entry.dev_ino[0] >= 0:
+                    self.by_dev_ino.setdefault(entry.dev_ino, entry)
+
     def remember(self, path: bytes, st: os.stat_result) -> InodeEntry:
         """The inode for a backing object, created if new; one lookup is added."""
         key = (st.st_dev, st.st_ino)
         entry = self.by_dev_ino.get(key)
         if entry is None:
-            entry = InodeEntry(self._next, path, key)
-            self._next += 1
+            entry = InodeEntry(self.number_for(key), path, key)
             self.by_inode[entry.inode] = entry
             self.by_dev_ino[key] = entry
-        elif entry.path != path and (entry.path is None or not os.path.lexists(self.abs(entry.path))):
+        elif entry.path != path and (entry.path is None or not self._exists(entry.path)):
             entry.path = path  # renamed behind our back
         entry.lookups += 1
         return entry
+
+    def _exists(self, path: bytes) -> bool:
+        try:
+            return self.tree.lstat_or_none(path) is not None
+        except OSError:  # ENOTDIR, ELOOP (a symlink swapped in on the way): not there for us
+            return False
 
     def forget(self, inode: int, n: int) -> None:
         entry = self.by_inode.get(inode)

@@ -28,7 +28,6 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import pyfuse3
@@ -36,6 +35,7 @@ import trio
 
 from tierfs import logevents
 from tierfs.access import caller_of
+from tierfs.backing_tree import BackingTree, proc_path, split
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
 from tierfs.fs.control import MAX_PENDING_BYTES, ControlPlane
@@ -43,7 +43,7 @@ from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
 from tierfs.predict.readahead import Readahead
-from tierfs.sched.backing import BackingFile, Identity
+from tierfs.sched.backing import BackingFile, Identity, key_path
 from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
 from tierfs_hints import wire
 
@@ -86,56 +86,55 @@ def logged_errors(what: str) -> Iterator[None]:
         log.exception("%s: unexpected error (ignored: the kernel takes no reply)", what)
 
 
-def _lstat_or_none(path: bytes) -> os.stat_result | None:
+def _lstat_or_none(tree: BackingTree, rel: bytes) -> os.stat_result | None:
     try:
-        return os.lstat(path)
+        return tree.lstat(rel)
     except FileNotFoundError:
         return None
 
 
-def _scandir(path: bytes) -> list[tuple[bytes, os.stat_result]]:
-    out = []
-    with os.scandir(path) as it:
-        for de in it:
-            if is_tmp_name(de.name):
-                continue
-            try:
-                out.append((de.name, de.stat(follow_symlinks=False)))
-            except FileNotFoundError:
-                continue
-    return out
-
-
-def _rmdir_with_orphans(path: bytes) -> None:
+def _rmdir_with_orphans(tree: BackingTree, rel: bytes) -> None:
     """rmdir; if only write-back temporary files keep the backing dir from being empty, they
     are orphans (no dirty file lives in this dir: the caller checked) and go first."""
     try:
-        os.rmdir(path)
+        tree.rmdir(rel)
     except OSError as e:
         if e.errno != errno.ENOTEMPTY:
             raise
-        names = os.listdir(path)
+        names = tree.listdir(rel)
         if not names or not all(is_tmp_name(n) for n in names):
             raise
         for n in names:
-            try:
-                os.unlink(path + b"/" + n)
-            except FileNotFoundError:
-                pass
-        os.rmdir(path)
+            tree.unlink_quiet(rel + b"/" + n if rel else n)
+        tree.rmdir(rel)
 
 
-def _fsync_dir(path: bytes) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _setattr_backing(tree: BackingTree, rel: bytes, mode: int | None, uid: int | None,
+                     gid: int | None, times: tuple[int, int] | None) -> None:
+    """chmod / chown / utime of a clean backing object, each on the object itself (never
+    through a symlink; a symlink's mode is left alone)."""
+    if mode is not None:
+        tree.chmod(rel, mode & 0o7777)
+    if uid is not None or gid is not None:
+        tree.chown(rel, -1 if uid is None else uid, -1 if gid is None else gid)
+    if times is not None:
+        tree.utime(rel, times)
+
+
+def _new_owner_gid(tree: BackingTree, parent: bytes, gid: int) -> int:
+    """The group of a new object in ``parent``: the directory's own if it is setgid (as a
+    local filesystem does), else the caller's ``gid``. Resolving the parent also refuses a
+    directory swapped for a symlink (ELOOP) before anything is created under it."""
+    pst = tree.lstat(parent)
+    if not stat.S_ISDIR(pst.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+    return pst.st_gid if pst.st_mode & stat.S_ISGID else gid
 
 
 class Operations(pyfuse3.Operations):
     """Args:
-        inodes: the inode table. cache: reads of clean files. writeback: dirty files.
+        tree: the backing tree; every backing-store access goes through it (never a path
+        string). inodes: the inode table. cache: reads of clean files. writeback: dirty files.
         readahead: per-handle prediction. control: ``.tierfs`` files. meta: device for
         backing-store metadata calls (stat, readdir, open, rename, ...), separate from the
         scheduler's data I/O. attr_timeout: seconds.
@@ -146,7 +145,7 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(
-        self, *, inodes: InodeTable, cache: Cache, writeback: WriteBack, readahead: Readahead,
+        self, *, tree: BackingTree, inodes: InodeTable, cache: Cache, writeback: WriteBack, readahead: Readahead,
         control: ControlPlane, meta: Device, attr_timeout: float,
         nursery: trio.Nursery | None = None,
         on_open_read: Callable[[int, bytes], None] | None = None,
@@ -156,6 +155,7 @@ class Operations(pyfuse3.Operations):
         ``on_read_end(pid, path)``: its readahead reached the file's last chunk (both for
         next-file prediction; they must not block)."""
         super().__init__()
+        self.tree = tree
         self.inodes = inodes
         self.handles = HandleTable()
         self.cache = cache
@@ -199,7 +199,16 @@ class Operations(pyfuse3.Operations):
         return a
 
     async def _dirty_attrs(self, entry: InodeEntry, df: DirtyFile) -> pyfuse3.EntryAttributes:
-        return self._attrs(entry.inode, await self.wb.stat(df), nlink=1 if df.path is not None else 0)
+        nlink = 1 if df.path is not None else 0
+        if df.in_place and df.path is not None:
+            # hard-linked: the names are links of the backing inode it is written back into
+            try:
+                st = await self.meta.run(_lstat_or_none, self.tree, df.path)
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode):
+                nlink = st.st_nlink
+        return self._attrs(entry.inode, await self.wb.stat(df), nlink=nlink)
 
     def _control_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -220,16 +229,41 @@ class Operations(pyfuse3.Operations):
     def _is_control(self, inode: int) -> bool:
         return inode == CONTROL_DIR or inode in self.control.by_inode
 
+    def _held_fd(self, entry: InodeEntry) -> int | None:
+        """A descriptor of the entry's own backing file, if one is open (an open handle, or the
+        copy kept for an unlinked name): its attributes are that file's, whatever the name now
+        names."""
+        if entry.orphan is not None and entry.orphan.fd >= 0:
+            return int(entry.orphan.fd)
+        for h in self.handles.handles.values():
+            if isinstance(h, FileHandle) and h.inode == entry.inode and h.file is not None and h.file.fd >= 0:
+                return int(h.file.fd)
+        return None
+
     async def _lstat(self, entry: InodeEntry) -> os.stat_result:
-        if entry.path is None and entry.orphan is not None:
-            return os.fstat(entry.orphan.fd)
-        if entry.path is None:
-            for h in self.handles.handles.values():  # unlinked but open: its descriptor knows
-                if isinstance(h, FileHandle) and h.inode == entry.inode and h.file is not None:
-                    st = os.fstat(h.file.fd)
-                    return st
-            raise FileNotFoundError(2, "unlinked")
-        return await self.meta.run(os.lstat, self.inodes.backing_path(entry))
+        if entry.path is None:  # unlinked but open: its descriptor knows
+            fd = self._held_fd(entry)
+            if fd is None:
+                raise FileNotFoundError(2, "unlinked")
+            return os.fstat(fd)
+        try:
+            st = await self.meta.run(_lstat_or_none, self.tree, entry.path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                raise
+            st = None  # a directory on the way was swapped for a file or a symlink
+        if st is not None and (st.st_dev, st.st_ino) == entry.dev_ino:
+            return st
+        # The name no longer names this entry's object (replaced or removed behind tierfs'
+        # back): an open descriptor still serves the old file, as ext4 does.
+        fd = self._held_fd(entry)
+        if fd is not None:
+            return os.fstat(fd)
+        if st is None or (stat.S_ISLNK(st.st_mode) and entry.dev_ino[0] >= 0):
+            # gone, or a symlink now where another object was: never show the link's
+            # attributes for the held inode (the kernel would take it for a type change)
+            raise FileNotFoundError(errno.ENOENT, "gone from the backing store")
+        return st
 
     async def _entry_attrs(self, entry: InodeEntry) -> pyfuse3.EntryAttributes:
         if entry.dirty is not None:
@@ -242,7 +276,7 @@ class Operations(pyfuse3.Operations):
         if df is not None:
             entry = self.inodes.remember_dirty(path, df)
             return await self._dirty_attrs(entry, df)
-        st = await self.meta.run(os.lstat, self.inodes.abs(path))
+        st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
@@ -254,7 +288,7 @@ class Operations(pyfuse3.Operations):
         df = self.wb.get(path)
         if df is not None:
             return df
-        return await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+        return await self.meta.run(_lstat_or_none, self.tree, path)
 
     # -- namespace: reading ------------------------------------------------------------------
     async def lookup(self, parent_inode, name, ctx=None):  # type: ignore[no-untyped-def,override]
@@ -277,7 +311,7 @@ class Operations(pyfuse3.Operations):
             if name == b"..":
                 assert parent.path is not None
                 rel = os.path.dirname(parent.path)
-                st = await self.meta.run(os.lstat, self.inodes.abs(rel))
+                st = await self.meta.run(self.tree.lstat, rel)
                 entry = self.inodes.remember(rel, st) if rel else self.inodes.get(ROOT)
                 if not rel:
                     entry.lookups += 1
@@ -298,11 +332,11 @@ class Operations(pyfuse3.Operations):
     async def readlink(self, inode, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("readlink"):
             entry = self.inodes.get(inode)
-            return await self.meta.run(os.readlink, self.inodes.backing_path(entry))
+            return await self.meta.run(self.tree.readlink, self.inodes.rel(entry))
 
     async def statfs(self, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("statfs"):
-            sv = await self.meta.run(os.statvfs, self.inodes.backing_root)
+            sv = await self.meta.run(self.tree.statvfs)
             out = pyfuse3.StatvfsData()
             for attr in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                          "f_ffree", "f_favail", "f_namemax"):
@@ -320,8 +354,7 @@ class Operations(pyfuse3.Operations):
             entry = self.inodes.get(inode)
             if entry.dirty is not None:
                 return await self.wb.xattr(entry.dirty, lambda fd: os.getxattr(fd, name))
-            path = self.inodes.backing_path(entry)
-            return await self.meta.run(lambda: os.getxattr(path, name, follow_symlinks=False))
+            return await self.meta.run(self.tree.getxattr, self.inodes.rel(entry), name)
 
     async def listxattr(self, inode, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("listxattr"):
@@ -331,8 +364,7 @@ class Operations(pyfuse3.Operations):
             if entry.dirty is not None:
                 names = await self.wb.xattr(entry.dirty, os.listxattr)
             else:
-                path = self.inodes.backing_path(entry)
-                names = await self.meta.run(lambda: os.listxattr(path, follow_symlinks=False))
+                names = await self.meta.run(self.tree.listxattr, self.inodes.rel(entry))
             return [n.encode("utf-8", "surrogateescape") for n in names]  # type: ignore[union-attr]
 
     async def setxattr(self, inode, name, value, ctx):  # type: ignore[no-untyped-def,override]
@@ -344,8 +376,7 @@ class Operations(pyfuse3.Operations):
                 entry.dirty.touch()
                 await self.wb.xattr(entry.dirty, lambda fd: os.setxattr(fd, name, value))
                 return
-            path = self.inodes.backing_path(entry)
-            await self.meta.run(lambda: os.setxattr(path, name, value, follow_symlinks=False))
+            await self.meta.run(self.tree.setxattr, self.inodes.rel(entry), name, value)
 
     async def removexattr(self, inode, name, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("removexattr"):
@@ -356,8 +387,7 @@ class Operations(pyfuse3.Operations):
                 entry.dirty.touch()
                 await self.wb.xattr(entry.dirty, lambda fd: os.removexattr(fd, name))
                 return
-            path = self.inodes.backing_path(entry)
-            await self.meta.run(lambda: os.removexattr(path, name, follow_symlinks=False))
+            await self.meta.run(self.tree.removexattr, self.inodes.rel(entry), name)
 
     # -- directories -----------------------------------------------------------------------
     async def opendir(self, inode, ctx):  # type: ignore[no-untyped-def,override]
@@ -365,13 +395,18 @@ class Operations(pyfuse3.Operations):
             if inode == CONTROL_DIR:
                 return self.handles.add(DirHandle(inode, []))
             entry = self.inodes.get(inode)
-            assert entry.path is not None
-            listing: dict[bytes, Any] = dict(await self.meta.run(_scandir, self.inodes.backing_path(entry)))
-            for name, df in self.wb.children(entry.path):
-                listing[name] = df  # a dirty file shadows the backing one
-            if inode == ROOT:
-                listing.pop(CONTROL_NAME, None)
-            return self.handles.add(DirHandle(inode, sorted(listing.items())))
+            self.inodes.rel(entry)  # ENOENT for a removed directory
+            return self.handles.add(DirHandle(inode, []))
+
+    async def _listing(self, entry: InodeEntry) -> list[tuple[bytes, Any]]:
+        """The merged directory listing (backing entries, dirty files shadowing them)."""
+        rel = self.inodes.rel(entry)
+        listing: dict[bytes, Any] = dict(await self.meta.run(self.tree.scandir, rel, is_tmp_name))
+        for name, df in self.wb.children(rel):
+            listing[name] = df  # a dirty file shadows the backing one
+        if entry.inode == ROOT:
+            listing.pop(CONTROL_NAME, None)
+        return sorted(listing.items())
 
     async def readdir(self, fh, start_id, token):  # type: ignore[no-untyped-def,override]
         with fuse_errors("readdir"):
@@ -385,6 +420,10 @@ class Operations(pyfuse3.Operations):
                         return
                 return
             parent = self.inodes.get(h.inode)
+            if start_id == 0:
+                # listed when read from the start (first read, rewinddir), not at open: entries
+                # made after the open show, as on a local filesystem
+                h.entries = await self._listing(parent)
             for i in range(start_id, len(h.entries)):
                 name, obj = h.entries[i]
                 path = self.inodes.child_path(parent, name)
@@ -392,7 +431,7 @@ class Operations(pyfuse3.Operations):
                     continue  # renamed or unlinked since opendir
                 if isinstance(obj, DirtyFile) and obj.state.value == "clean":
                     # written back since opendir: the backing file is the entry now
-                    obj = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+                    obj = await self.meta.run(_lstat_or_none, self.tree, path)
                     if obj is None:
                         continue
                 if isinstance(obj, DirtyFile):
@@ -415,21 +454,29 @@ class Operations(pyfuse3.Operations):
         with fuse_errors("fsyncdir"):
             h = self.handles.get(fh)
             if isinstance(h, DirHandle) and h.inode != CONTROL_DIR:
-                await self.meta.run(_fsync_dir, self.inodes.backing_path(self.inodes.get(h.inode)))
+                await self.meta.run(self.tree.fsync_dir, self.inodes.rel(self.inodes.get(h.inode)))
 
     async def mkdir(self, parent_inode, name, mode, ctx):  # type: ignore[no-untyped-def,override]
         with fuse_errors("mkdir"):
             path = self._new_child(parent_inode, name)
-            p = self.inodes.abs(path)
-
-            def make() -> None:
-                os.mkdir(p, mode & 0o7777)
-                os.chmod(p, mode & 0o7777)
-                os.lchown(p, ctx.uid, ctx.gid)
-
             if self.wb.get(path) is not None:
                 raise pyfuse3.FUSEError(errno.EEXIST)
-            await self.meta.run(make)
+            await self.meta.run(self.tree.make_node, path, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+            return await self._lookup_path(path)
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):  # type: ignore[no-untyped-def,override]
+        """A fifo, socket (``bind()`` of a Unix socket), empty regular file or, for root,
+        a character or block device; owned by the caller, setgid directories honoured."""
+        with fuse_errors("mknod"):
+            path = self._new_child(parent_inode, name)
+            kind = stat.S_IFMT(mode)
+            if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFREG, stat.S_IFCHR, stat.S_IFBLK):
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            if kind in (stat.S_IFCHR, stat.S_IFBLK) and ctx.uid != 0:
+                raise pyfuse3.FUSEError(errno.EPERM)  # the kernel checks CAP_MKNOD too
+            if await self._exists(path) is not None:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            await self.meta.run(self.tree.make_node, path, kind | (mode & 0o7777), ctx.uid, ctx.gid, rdev)
             return await self._lookup_path(path)
 
     async def rmdir(self, parent_inode, name, ctx):  # type: ignore[no-untyped-def,override]
@@ -440,7 +487,7 @@ class Operations(pyfuse3.Operations):
             if self.wb.has_children(path):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self.wb.settle_dir(path)
-            await self.meta.run(_rmdir_with_orphans, self.inodes.abs(path))
+            await self.meta.run(_rmdir_with_orphans, self.tree, path)
             self.inodes.detach(path)
 
     def _new_child(self, parent_inode: int, name: bytes) -> bytes:
@@ -455,13 +502,7 @@ class Operations(pyfuse3.Operations):
             path = self._new_child(parent_inode, name)
             if self.wb.get(path) is not None:
                 raise pyfuse3.FUSEError(errno.EEXIST)
-            p = self.inodes.abs(path)
-
-            def make() -> None:
-                os.symlink(target, p)
-                os.lchown(p, ctx.uid, ctx.gid)
-
-            await self.meta.run(make)
+            await self.meta.run(self.tree.make_symlink, target, path, ctx.uid, ctx.gid)
             return await self._lookup_path(path)
 
     async def link(self, inode, new_parent_inode, new_name, ctx):  # type: ignore[no-untyped-def,override]
@@ -473,13 +514,13 @@ class Operations(pyfuse3.Operations):
             if entry.dirty is not None:
                 # A hard link shares one inode: put the file on the backing store first.
                 await self.wb.wait_durable([entry.dirty], timeout=float("inf"))
-            src = self.inodes.backing_path(entry)
-            await self.meta.run(partial(os.link, src, self.inodes.abs(new_path), follow_symlinks=False))
+            src = self.inodes.rel(entry)
+            await self.meta.run(self.tree.link, src, new_path)
             if entry.dirty is not None and entry.dirty.state.value != "clean":
                 # still open for writing: its later write-back must keep the link, and both
                 # names are one inode
                 self.wb.set_in_place(entry.dirty)
-                st = await self.meta.run(os.lstat, src)
+                st = await self.meta.run(self.tree.lstat, src)
                 self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             return await self._lookup_path(new_path)
 
@@ -495,9 +536,13 @@ class Operations(pyfuse3.Operations):
                     df.keep += 1
                     entry.kept = True  # type: ignore[attr-defined]
             elif entry.orphan is None:
-                st = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+                st = await self.meta.run(_lstat_or_none, self.tree, path)
                 if st is not None and stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == entry.dev_ino:
-                    entry.orphan = await self._backing_file(self.inodes.abs(path))
+                    bf = await self._backing_file(path)
+                    if (bf.identity.dev, bf.identity.ino) == entry.dev_ino:
+                        entry.orphan = bf
+                    else:  # replaced between the lstat and the open (a write-back committed)
+                        self._release_backing(bf)
 
     def _on_forget(self, entry: InodeEntry) -> None:
         if entry.orphan is not None:
@@ -515,13 +560,13 @@ class Operations(pyfuse3.Operations):
             if df is not None:
                 await self.wb.unlink(df)
             # stat the backing store only now: a write-back may have just put the file there
-            st = await self.meta.run(_lstat_or_none, self.inodes.abs(path))
+            st = await self.meta.run(_lstat_or_none, self.tree, path)
             if df is None and st is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             if st is not None and stat.S_ISDIR(st.st_mode) and df is None:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if st is not None and not stat.S_ISDIR(st.st_mode):
-                await self.meta.run(os.unlink, self.inodes.abs(path))
+                await self.meta.run(self.tree.unlink, path)
             self.inodes.detach(path)
 
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):  # type: ignore[no-untyped-def,override]
@@ -546,6 +591,10 @@ class Operations(pyfuse3.Operations):
             if src_is_dir and self.wb.has_children(new):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)  # the target dir holds unwritten files
             await self._preserve(new)
+            # The target's inodes are detached before the rename (a lookup during its await
+            # must not hand out the old target) and reattached if the backing store refuses
+            # it (ENOTEMPTY, EISDIR, ...): the target stays as it was, usable.
+            replaced = self.inodes.naming(new)
             self.inodes.detach(new)
             moved = False
             if isinstance(src, DirtyFile):
@@ -553,14 +602,18 @@ class Operations(pyfuse3.Operations):
                 if moved:
                     # an older version under the old name must not reappear there (stat only
                     # now: the dirty file itself is no longer at `old`)
-                    shadowed = await self.meta.run(_lstat_or_none, self.inodes.abs(old))
+                    shadowed = await self.meta.run(_lstat_or_none, self.tree, old)
                     if shadowed is not None and not stat.S_ISDIR(shadowed.st_mode):
-                        await self.meta.run(os.unlink, self.inodes.abs(old))
+                        await self.meta.run(self.tree.unlink, old)
             if not moved:  # a clean object (or one written back just now): rename it on the backing store
                 tdf = self.wb.get(new)
                 if tdf is not None:
                     await self.wb.unlink(tdf)
-                await self.meta.run(os.rename, self.inodes.abs(old), self.inodes.abs(new))
+                try:
+                    await self.meta.run(self.tree.rename, old, new)
+                except BaseException:
+                    self.inodes.reattach(new, replaced)
+                    raise
                 if src_is_dir:
                     self.wb.rename_dir(old, new)
             self.inodes.rename(old, new)
@@ -586,17 +639,8 @@ class Operations(pyfuse3.Operations):
                 if entry.dirty is not None:
                     await self.wb.set_attrs(entry.dirty, mode=mode, uid=uid, gid=gid, times=times)
                 else:
-                    path = self.inodes.backing_path(entry)
-
-                    def apply() -> None:
-                        if mode is not None and not stat.S_ISLNK(os.lstat(path).st_mode):
-                            os.chmod(path, mode & 0o7777)
-                        if uid is not None or gid is not None:
-                            os.lchown(path, -1 if uid is None else uid, -1 if gid is None else gid)
-                        if times is not None:
-                            os.utime(path, ns=times, follow_symlinks=False)
-
-                    await self.meta.run(apply)
+                    await self.meta.run(_setattr_backing, self.tree, self.inodes.rel(entry),
+                                        mode, uid, gid, times)
             return await self._entry_attrs(entry)
 
     # -- files -----------------------------------------------------------------------------
@@ -618,7 +662,7 @@ class Operations(pyfuse3.Operations):
         path = entry.path
         if path is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        st = await self.meta.run(os.lstat, self.inodes.abs(path))
+        st = await self.meta.run(self.tree.lstat, path)
         if not stat.S_ISREG(st.st_mode):
             raise pyfuse3.FUSEError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
         if truncate or st.st_size == 0:
@@ -626,11 +670,12 @@ class Operations(pyfuse3.Operations):
             if st.st_nlink > 1:
                 self.wb.set_in_place(df)
         else:
-            bf = await self._backing_file(self.inodes.abs(path))
+            bf = await self._backing_file(path)
             access = AccessState()
             try:
+                # xattrs are read through the open descriptor (/proc/self/fd/N), not a path
                 df = await self.wb.copy_up(
-                    path, st, lambda off, n: self.cache.read(bf, off, n, access), self.inodes.abs(path))
+                    path, st, lambda off, n: self.cache.read(bf, off, n, access), proc_path(bf.fd))
             finally:
                 self.cache.forget_access(access)
                 self._release_backing(bf)
@@ -639,9 +684,9 @@ class Operations(pyfuse3.Operations):
         self.inodes.attach(entry, df)
         return df
 
-    async def _backing_file(self, path: bytes) -> BackingFile:
-        fd, st = await self.meta.run(open_backing, path)
-        identity = Identity.of(os.fsdecode(path), st)
+    async def _backing_file(self, rel: bytes) -> BackingFile:
+        fd, st = await self.meta.run(open_backing, self.tree, rel)
+        identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:
             bf = BackingFile(identity, fd)
@@ -690,7 +735,7 @@ class Operations(pyfuse3.Operations):
                 h.dirty = df
                 self.wb.opened(df, writer)
                 return pyfuse3.FileInfo(fh=self.handles.add(h), keep_cache=True, direct_io=False)
-            bf = await self._backing_file(self.inodes.backing_path(entry))
+            bf = await self._backing_file(self.inodes.rel(entry))
             h.file = bf
             key = bf.key
             changed = entry.last_key is not None and entry.last_key != key
@@ -725,7 +770,10 @@ class Operations(pyfuse3.Operations):
             existing = await self._exists(path)
             if existing is not None and flags & os.O_EXCL:
                 raise pyfuse3.FUSEError(errno.EEXIST)
-            df = await self.wb.create(path, stat.S_IFREG | (mode & 0o7777), ctx.uid, ctx.gid)
+            # the parent is resolved beneath the backing root first (a directory swapped for a
+            # symlink is refused here) and gives the group of the new file if it is setgid
+            gid = await self.meta.run(_new_owner_gid, self.tree, split(path)[0], ctx.gid)
+            df = await self.wb.create(path, stat.S_IFREG | (mode & 0o7777), ctx.uid, gid)
             if isinstance(existing, os.stat_result):
                 self.inodes.detach(path)
             entry = self.inodes.remember_dirty(path, df)
@@ -756,7 +804,7 @@ class Operations(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.ESTALE)
                 if f is not None:
                     self._release_backing(f)
-                f = h.file = await self._backing_file(self.inodes.backing_path(entry))
+                f = h.file = await self._backing_file(self.inodes.rel(entry))
                 entry.last_key = f.key
             if off >= f.size:
                 return b""
@@ -879,7 +927,7 @@ class Operations(pyfuse3.Operations):
         if st is not None and df.path is not None:
             self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             old = entry.last_key
-            entry.last_key = Identity.of(os.fsdecode(self.inodes.abs(df.path)), st).key
+            entry.last_key = Identity.of(key_path(self.tree.root, df.path), st).key
             if old is not None and old != entry.last_key and self.nursery is not None:
                 # the cached chunks of the content before this write are stale: free them now
                 self.nursery.start_soon(self.cache.drop_file, old)

@@ -1,0 +1,186 @@
+"""POSIX operations a local disk has and tierfs must have too: special files (fifos, sockets,
+devices), a refused rename that leaves its target usable, an open file replaced behind the
+mount's back, paths longer than PATH_MAX, and inode identity (stable numbers, link counts).
+
+One mount serves the module; ``attr_timeout=0`` makes the kernel ask the daemon for every
+attribute, so what the daemon answers is what the tests see.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, force_unmount, needs_fuse
+
+pytestmark = [needs_fuse, pytest.mark.fuse]
+
+
+@pytest.fixture(scope="module")
+def m(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    base = tmp_path_factory.mktemp("posix_ops")
+    (base / "back").mkdir()
+    (base / "mnt").mkdir()
+    mount = Mount(base / "back", base / "mnt", None, ["--ram", "64MiB", "-o", "attr_timeout=0"])
+    try:
+        mount.start()
+        yield mount
+    finally:
+        force_unmount(mount)
+
+
+@pytest.fixture
+def d(m: Mount, request: pytest.FixtureRequest) -> Path:
+    """A fresh directory of the mount for one test."""
+    p = m.mnt / request.node.name.replace("[", "_").replace("]", "")
+    p.mkdir()
+    return p
+
+
+def test_mkfifo_mknod_and_socket(m: Mount, d: Path) -> None:
+    os.umask(0o022)
+    os.mkfifo(d / "fifo", 0o640)
+    st = os.lstat(d / "fifo")
+    assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640
+    assert stat.S_ISFIFO(os.lstat(m.backing / d.name / "fifo").st_mode)
+    os.mknod(d / "reg", stat.S_IFREG | 0o600)
+    assert stat.S_ISREG(os.lstat(d / "reg").st_mode) and os.lstat(d / "reg").st_size == 0
+    os.mknod(d / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))  # the test runs as root
+    st = os.lstat(d / "null")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    # a Unix socket bound on the mount, and a client connecting to it by path
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    cli = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(str(d / "sock"))
+        srv.listen(1)
+        assert stat.S_ISSOCK(os.lstat(d / "sock").st_mode)
+        cli.connect(str(d / "sock"))
+        conn, _ = srv.accept()
+        cli.sendall(b"ping")
+        assert conn.recv(4) == b"ping"
+        conn.close()
+    finally:
+        cli.close()
+        srv.close()
+    # a fifo on the mount works as a fifo
+    r = os.open(d / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+    w = os.open(d / "fifo", os.O_WRONLY)
+    os.write(w, b"through the fifo")
+    assert os.read(r, 100) == b"through the fifo"
+    os.close(w)
+    os.close(r)
+
+
+def test_multiprocessing_with_tmpdir_on_the_mount(m: Mount, d: Path) -> None:
+    """multiprocessing (and PyTorch's DataLoader through it) binds Unix sockets in TMPDIR."""
+    code = ("import multiprocessing as mp\n"
+            "if __name__ == '__main__':\n"
+            "    with mp.Manager() as man:\n"
+            "        d = man.dict(); d['x'] = 42; print(d['x'])\n"
+            "    with mp.get_context('forkserver').Pool(2) as p:\n"
+            "        print(sum(p.map(abs, [-1, -2, 3])))\n")
+    # a Unix socket address holds 107 bytes: reach the directory through a short symlink
+    short = Path(tempfile.mkdtemp(prefix="tfmp-")) / "t"
+    short.symlink_to(d)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(short)},
+                           capture_output=True, timeout=120)
+    finally:
+        short.unlink()
+        short.parent.rmdir()
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.split() == [b"42", b"6"]
+
+
+def test_rename_onto_non_empty_dir_leaves_target_usable(d: Path) -> None:
+    (d / "a").mkdir()
+    (d / "b" / "c").mkdir(parents=True)
+    fd = os.open(d / "b", os.O_RDONLY | os.O_DIRECTORY)  # a process that has it open
+    try:
+        with pytest.raises(OSError) as ei:
+            os.rename(d / "a", d / "b")
+        assert ei.value.errno in (errno.ENOTEMPTY, errno.EEXIST)
+        assert os.listdir(d / "b") == ["c"]
+        assert os.listdir(fd) == ["c"]
+        assert stat.S_ISDIR(os.stat("c", dir_fd=fd).st_mode)
+        assert os.listdir(d / "a") == []
+    finally:
+        os.close(fd)
+
+
+def test_open_file_replaced_in_backing_dir_keeps_its_content(m: Mount, d: Path) -> None:
+    """ext4 keeps serving the old inode to an open descriptor; so must the mount."""
+    old = bytes(range(256)) * 64  # 16 KiB
+    (m.backing / d.name / "f").write_bytes(old)
+    with open(d / "f", "rb", buffering=0) as f:
+        assert f.read(100) == old[:100]
+        tmp = m.backing / d.name / "f.new"
+        tmp.write_bytes(b"short")
+        os.replace(tmp, m.backing / d.name / "f")
+        assert os.fstat(f.fileno()).st_size == len(old)
+        assert f.read() == old[100:]
+    assert (d / "f").read_bytes() == b"short"  # a new open sees the new file
+
+
+def test_tree_deeper_than_path_max(m: Mount, d: Path) -> None:
+    """25 levels of 200-byte names (5 KB of path, over PATH_MAX), walked with directory fds."""
+    depth, name_len = 25, 200
+    fds = [os.open(d, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for level in range(depth):
+            name = (f"{level:03d}" + "x" * name_len)[:name_len]
+            os.mkdir(name, 0o755, dir_fd=fds[-1])
+            fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+            assert stat.S_ISDIR(os.fstat(fds[-1]).st_mode)
+        os.mkfifo("bottom", 0o600, dir_fd=fds[-1])
+        assert os.listdir(fds[-1]) == ["bottom"]
+        assert stat.S_ISFIFO(os.stat("bottom", dir_fd=fds[-1], follow_symlinks=False).st_mode)
+        os.unlink("bottom", dir_fd=fds[-1])
+        for level in reversed(range(depth)):
+            os.close(fds.pop())
+            os.rmdir((f"{level:03d}" + "x" * name_len)[:name_len], dir_fd=fds[-1])
+        assert os.listdir(fds[-1]) == []
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _drop_caches() -> None:
+    """Evict unused dentries and inodes: the kernel sends FORGET for the mount's inodes."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2\n")
+
+
+def test_inode_numbers_stable_after_forget(m: Mount, d: Path) -> None:
+    for i in range(20):
+        (m.backing / d.name / f"f{i}").write_bytes(b"x")
+    (m.backing / d.name / "sub").mkdir()
+    names = [f"f{i}" for i in range(20)] + ["sub"]
+    before = {n: os.lstat(d / n).st_ino for n in names}
+    assert len(set(before.values())) == len(names)
+    _drop_caches()
+    after = {n: os.lstat(d / n).st_ino for n in names}
+    assert after == before
+
+
+def test_nlink_of_hard_linked_file_with_unwritten_changes(m: Mount, d: Path) -> None:
+    (m.backing / d.name / "a").write_bytes(b"before")
+    os.link(m.backing / d.name / "a", m.backing / d.name / "b")
+    assert os.lstat(d / "a").st_nlink == 2
+    with open(d / "a", "r+b", buffering=0) as f:
+        f.write(b"AFTER!")  # dirty now; written back after close
+        assert os.fstat(f.fileno()).st_nlink == 2
+        assert os.lstat(d / "a").st_nlink == 2
+        assert os.lstat(d / "b").st_nlink == 2
+        assert os.lstat(d / "a").st_ino == os.lstat(d / "b").st_ino
