@@ -130,7 +130,9 @@ cleanup() {
 	if ! grep -q " $WORK/" /proc/mounts; then rm -rf "$WORK"; else echo "posix.sh: left $WORK (still mounted)" >&2; fi
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM HUP
+CHILD=""
+# timeout(1) passes the signal on to prove
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null; wait; exit 130' INT TERM HUP
 declare -A MNT_KIND
 
 # mount_TARGET: sets TESTROOT (an empty 0755 directory inside the filesystem under test)
@@ -203,7 +205,12 @@ run_target() {
 			rel=$dir/$(basename "$f")
 			log=$OUT/$target/${rel//\//_}.log
 			# each file runs in a fresh directory inside the mount, as prove -r would from it
-			(cd "$TESTROOT" && timeout -k 10 "$FILE_TIMEOUT" prove -v "$f") >"$log" 2>&1
+			# in the background and waited for, so that a signal ends the run at once (bash
+			# runs a trap only after the foreground command it waits for has finished)
+			(cd "$TESTROOT" && exec timeout -k 10 "$FILE_TIMEOUT" prove -v "$f") >"$log" 2>&1 &
+			CHILD=$!
+			wait $CHILD
+			CHILD=""
 			read -r plan ok todo < <(tap_counts "$log")
 			fail=$(( plan - ok - todo ))
 			[ $fail -lt 0 ] && fail=0
