@@ -140,6 +140,7 @@ mount_tierfs() {
 	local base=$WORK/tierfs ram
 	mkdir -p "$base"/{backing,ssd,mnt}
 	chmod 0755 "$base" "$base/backing" "$base/mnt"
+	chmod 0700 "$base/ssd"   # tierfs refuses a tier other users can reach
 	ram=$(mktemp -d /dev/shm/tierfs-posix.XXXXXX); RAMDIRS+=("$ram")
 	MNT_KIND[$base/mnt]=tierfs; MOUNTS+=("$base/mnt")
 	if ! (cd "$SRC" && PYTHONPATH="$SRC" "$PY" -m tierfs mount "$base/backing" "$base/mnt" \
