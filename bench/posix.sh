@@ -97,6 +97,7 @@ for d in "$PJDFSTEST"/tests/*/; do
 done
 [ ${#DIRS[@]} -gt 0 ] || die "no test directories match --only $ONLY"
 
+[ -z "$REPORT" ] || OUT=$REPORT
 [ -n "$OUT" ] || OUT=$(mktemp -d /tmp/tierfs-posix.XXXXXX)
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/tierfs-posix-mnt.XXXXXX)
