@@ -6,7 +6,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 APT_PKGS := fuse3 libfuse3-dev pkg-config bindfs nbdkit nbdkit-plugin-python libnbd-bin fio e2fsprogs util-linux rsync tar
 
-.PHONY: demo test bench lint setup system-deps install uninstall clean
+.PHONY: demo test bench posix posix-pjdfstest lint setup system-deps install uninstall clean
 
 system-deps:
 	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -47,6 +47,16 @@ bench: setup
 	$(VPY) bench/bench_checkpoint.py
 	$(VPY) bench/bench_collate.py
 	$(VPY) bench/bench_fuse_ceiling.py
+
+# POSIX conformance: pjdfstest (built outside this repo, see docs/posix.md) against a fresh
+# --allow-other mount, and the same against POSIX_BASELINE (bindfs, ext4, tmpfs; comma-separated).
+# Fails (exit 2, with the build recipe) if PJDFSTEST does not name a built pjdfstest.
+PJDFSTEST ?= /tmp/pjdfstest
+POSIX_BASELINE ?= bindfs,ext4
+posix: posix-pjdfstest setup
+	PJDFSTEST=$(PJDFSTEST) POSIX_BASELINE=$(POSIX_BASELINE) TIERFS_PYTHON=$(abspath $(VPY)) bench/posix.sh
+posix-pjdfstest:
+	@PJDFSTEST=$(PJDFSTEST) bench/posix.sh --check
 
 lint: setup
 	$(VENV)/bin/ruff check tierfs tierfs_hints tests examples
