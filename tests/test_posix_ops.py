@@ -184,3 +184,34 @@ def test_nlink_of_hard_linked_file_with_unwritten_changes(m: Mount, d: Path) -> 
         assert os.lstat(d / "a").st_nlink == 2
         assert os.lstat(d / "b").st_nlink == 2
         assert os.lstat(d / "a").st_ino == os.lstat(d / "b").st_ino
+
+
+def _dir_times(p: Path) -> tuple[int, int]:
+    st = os.stat(p)
+    return st.st_mtime_ns, st.st_ctime_ns
+
+
+@pytest.mark.parametrize("change", ["create", "unlink", "rename"])
+def test_directory_times_change_with_entries_in_the_write_tier(tiermount, tmp_path: Path, change: str) -> None:
+    """A file created (and unlinked or renamed before its write-back) changes its directory's
+    mtime and ctime at once, as on a local filesystem (pjdfstest open/00.t, unlink/00.t)."""
+    m = tiermount(ram="64MiB", ssd="128MiB", extra=("-o", "writeback_deadline=3600"))
+    d = m.mnt / "d"
+    d.mkdir()
+    fd = -1
+    if change != "create":  # dirty and held open for writing: not written back meanwhile
+        fd = os.open(d / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, b"x")
+        assert not (tmp_path / "back" / "d" / "f").exists()
+    os.utime(tmp_path / "back" / "d", ns=(1, 1))  # an old time on the backing dir: any change shows
+    time_mark = _dir_times(d)
+    if change == "create":
+        (d / "new").write_bytes(b"y")
+    elif change == "unlink":
+        os.unlink(d / "f")
+    else:
+        os.rename(d / "f", d / "g")
+    after = _dir_times(d)
+    if fd >= 0:
+        os.close(fd)
+    assert after[0] > time_mark[0] and after[1] >= time_mark[1], (time_mark, after)

@@ -386,6 +386,16 @@ class BackingTree:
         with self.parent(rel) as (dfd, name):
             os.utime(name, ns=ns, dir_fd=dfd, follow_symlinks=False)
 
+    def touch(self, rel: bytes) -> None:
+        """Set the object's access and modification times (and so its change time) to now: a
+        directory whose entries changed only in the write tier (a file created, unlinked or
+        renamed before its write-back) shows the change at once, as on a local filesystem."""
+        if not rel:
+            os.utime(proc_path(self.fd))
+            return
+        with self.parent(rel) as (dfd, name):
+            os.utime(name, dir_fd=dfd, follow_symlinks=False)
+
     def create_tmp(self, dir_rel: bytes, prefix: bytes) -> tuple[int, bytes]:
         """A new empty file ``prefix + <random>`` in directory ``dir_rel``, opened read-write
         with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (mode 0600), so a name planted in advance (a
