@@ -25,6 +25,7 @@ import xxhash
 
 from tierfs import io, logevents
 from tierfs import stats as stats_mod
+from tierfs.backing_tree import BackingTree
 from tierfs.cache.catalog import SsdCatalog
 from tierfs.cache.manager import Cache
 from tierfs.cache.plan import HintPlan
@@ -277,8 +278,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     wt = names.index(wt_name)
     dirty_data_dev = io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S,
                                thread_period=DIRTY_THREAD_PERIOD_S)
+    tree = BackingTree(os.fsencode(plan.backing))  # one for the daemon: WriteBack, Operations, HintService
     writeback = WriteBack(
-        backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
+        backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
         scheduler=scheduler, journal=Journal(os.path.join(tiers[wt].path, "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
@@ -419,6 +421,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             log.warning("closing the FUSE session: %s", e)
         pending = writeback.statistics().dirty_files
         writeback.close()
+        tree.close()
         hints.close()
         cache.close()
         for fd in lock_fds:
