@@ -11,6 +11,7 @@ the backing store never shows a partial file under a final name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sqlite3
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
@@ -345,3 +347,44 @@ async def test_truncate_right_after_close_of_written_through_file(tmp_path: Path
         await wb.closed(df, True)
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "t") == b"new"
+
+
+async def test_failed_switch_to_write_through_closes_and_removes_its_temporary_file(tmp_path: Path) -> None:
+    """The backing store fills during the switch: the writer gets ENOSPC, the temporary file
+    is removed and its descriptor closed (it used to hold the space until the daemon exited),
+    and the file stays intact in the write tier."""
+    disks = Disks(tmp_path / "d")
+
+    def tmp_fds() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(str(disks.back)) and ".tierfs-wb." in target:
+                    out.append(fd)
+        return out
+
+    async with instance(disks, tier_bytes=64 * KiB, slice_size=4 * KiB, deadline_s=3600) as wb:
+        base = os.urandom(48 * KiB)
+        df = await wb.create(b"f", 0o100644, os.getuid(), os.getgid())
+        wb.opened(df, True)
+        await wb.write(df, 0, base)
+        orig_run_io = wb.sched._run_io
+
+        async def full_backing(fn):  # type: ignore[no-untyped-def]
+            if isinstance(fn, partial) and fn.func is wbm._copy_range and fn.args[2] >= 8 * KiB:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return await orig_run_io(fn)  # type: ignore[misc]
+
+        wb.sched._run_io = full_backing
+        with pytest.raises(Exception) as e:  # noqa: PT011 - OSError or BackingIOError, by errno
+            await wb.write(df, len(base), b"B" * (40 * KiB))
+        assert getattr(e.value, "errno", None) == errno.ENOSPC
+        wb.sched._run_io = orig_run_io
+        assert not tmp_fds(), "the failed switch kept its temporary file open"
+        assert not tmp_names(disks), "the failed switch left its temporary file"
+        assert not df.through
+        await wb.closed(df, True)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "f") == base
+

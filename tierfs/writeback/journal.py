@@ -23,6 +23,8 @@ so callers handle the journal like any other file.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
 import errno
 import os
@@ -32,6 +34,14 @@ import time
 from dataclasses import dataclass
 
 SCHEMA = 2
+# Blocks allocated ahead for the journal (see Journal._reserve). The WAL grows to its
+# auto-checkpoint size (1000 pages of 4 KiB) and is then reused in place from its start, so
+# 4 MiB covers it; the database itself holds one small row per dirty file (1 MiB: thousands).
+WAL_RESERVE_BYTES = 4 << 20
+DB_RESERVE_BYTES = 1 << 20
+FALLOC_FL_KEEP_SIZE = 0x01
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 class JState(enum.Enum):
@@ -109,6 +119,28 @@ class Journal:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
         except sqlite3.Error as e:
             raise _os_error(e) from None
+
+        self.reserved = self._reserve()
+
+    def _reserve(self) -> bool:
+        """Allocate the blocks the WAL and the database will grow into, beyond their ends
+        (``fallocate(FALLOC_FL_KEEP_SIZE)``: the files look unchanged to sqlite): when the
+        write tier's filesystem fills up, journal writes still have room, so the switch to
+        write-through that a full tier calls for can be recorded. Best effort (blocking):
+        False if the filesystem cannot (no room now, or no fallocate)."""
+        ok = True
+        for suffix, n in (("-wal", WAL_RESERVE_BYTES), ("", DB_RESERVE_BYTES)):
+            try:
+                fd = os.open(self.path + suffix, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                ok = False
+                continue
+            try:
+                if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, n) != 0:
+                    ok = False
+            finally:
+                os.close(fd)
+        return ok
 
     def _exec(self, sql: str, args: tuple) -> sqlite3.Cursor:
         with self._lock:

@@ -49,12 +49,14 @@ from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import BackingIOError, MountError, TierfsError
 from tierfs.io import Device, pread_exact, pwrite_all, sync_range
 from tierfs.sched.scheduler import Klass, TransactionScheduler
+from tierfs.units import format_size
 from tierfs.writeback.journal import Journal, JState
 from tierfs.writeback.state import DirtyState, check_move
 
 log = logging.getLogger("tierfs.writeback")
 TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from readdir
 RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
+BACKING_FREE_TTL_S = 1.0  # how long a read of the backing store's free space is trusted
 TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted file or symlink)
 
 __all__ = ["TMP_PREFIX", "DirtyFile", "DirtyState", "WriteBack", "WriteBackStats", "is_tmp_name"]
@@ -380,6 +382,8 @@ class WriteBack:
         self.failures = 0
         self.journal_errors = 0
         self.quarantined: list[str] = []  # paths of rows recovery quarantined (all mounts so far)
+        self._backing_free = 0
+        self._backing_free_at = -math.inf
 
     # -- lookup ----------------------------------------------------------------------------
     def get(self, path: bytes) -> DirtyFile | None:
@@ -524,6 +528,26 @@ class WriteBack:
         df.accounted += need
         return True
 
+    def _check_backing_room(self, need: int) -> None:
+        """Raise OSError(ENOSPC) if the backing store cannot take ``need`` more bytes on top of
+        every dirty byte waiting for write-back: the writer is told at ``write`` (as the docs
+        promise), not left with a file that can never be written back. Free space is
+        ``fstatvfs`` of the backing root (one cheap call, on the loop), re-read at most every
+        BACKING_FREE_TTL_S and whenever the answer would be no."""
+        if need <= 0:
+            return
+        now = time.monotonic()
+        for _ in range(2):
+            if now - self._backing_free_at > BACKING_FREE_TTL_S:
+                sv = self.tree.statvfs()
+                self._backing_free = sv.f_bavail * sv.f_frsize
+                self._backing_free_at = now
+            if self.tier.dirty + need <= self._backing_free:
+                return
+            self._backing_free_at = -math.inf  # re-read before saying no
+        raise OSError(errno.ENOSPC, f"backing store full: {format_size(self._backing_free)} free, "
+                                    f"{format_size(self.tier.dirty + need)} to write back")
+
     def _uncharge(self, df: DirtyFile, new_size: int) -> None:
         keep = blocks(new_size)
         if keep < df.accounted:
@@ -537,9 +561,11 @@ class WriteBack:
             if df.excl is not None:
                 await df.excl.wait()
                 continue
-            if not df.through and end > df.size and not await self._charge(df, end):
-                await self.to_through(df)
-                continue
+            if not df.through and end > df.size:
+                self._check_backing_room(blocks(end) - df.accounted)
+                if not await self._charge(df, end):
+                    await self.to_through(df)
+                    continue
             if df.excl is not None:
                 continue  # a switch began while room was being made: look again after it
             df.inflight += 1
@@ -646,6 +672,18 @@ class WriteBack:
         from tierfs.writeback.through import switch_to_through
 
         await switch_to_through(self, df)
+
+    async def remove_tmp(self, tmp: bytes) -> bool:
+        """Remove a temporary file of ours, even while being cancelled (unmount): shielded, in
+        a thread of its own - not through the scheduler, whose dispatcher may be gone. False if
+        it could not be removed (the journal still names it; the next mount removes it)."""
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(self.tree.unlink_quiet, tmp)
+                return True
+            except OSError as e:
+                log.warning("could not remove temporary file %s: %s", os.fsdecode(tmp), e)
+        return False
 
     def new_tmp_name(self, df: DirtyFile, path: bytes | None = None) -> bytes:
         """A fresh, unpredictable temporary name beside ``path`` (default ``df.path``):
@@ -757,9 +795,7 @@ class WriteBack:
         self._uncharge(df, 0)
         if df.through and df.tmp is not None:
             tmp = df.tmp
-            with trio.CancelScope(shield=True):
-                with contextlib.suppress(OSError, TierfsError):
-                    await self.sched.io(partial(self.tree.unlink_quiet, tmp), Klass.DEMAND, nbytes=0)
+            await self.remove_tmp(tmp)
         if df.state is not DirtyState.GONE:
             df.advance(DirtyState.GONE)
         if df.pins:
@@ -946,12 +982,9 @@ class WriteBack:
             if st is None and df.state is DirtyState.WRITING:
                 df.advance(DirtyState.DIRTY)
             tmp, df.tmp = df.tmp, None
-            if tmp is not None:
-                # our own temporary file, whatever became of the file meanwhile
-                with trio.CancelScope(shield=True):
-                    with contextlib.suppress(OSError, TierfsError):
-                        await self.sched.io(partial(self.tree.unlink_quiet, tmp), Klass.DEADLINE, nbytes=0)
-            if (tmp is not None or st is not None) and df.state is not DirtyState.GONE:
+            # our own temporary file, whatever became of the file meanwhile
+            removed = tmp is not None and await self.remove_tmp(tmp)
+            if (removed or st is not None) and df.state is not DirtyState.GONE:
                 with contextlib.suppress(OSError):  # the name is gone now; a stale one is harmless
                     self.journal.set_tmp(df.id, None, JState.DIRTY)
             if settled is not None:

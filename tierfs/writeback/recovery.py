@@ -95,6 +95,13 @@ async def _recover_row(wb: WriteBack, row: JournalRow) -> str | None:
         await wb.device.run(_unlink_quiet, data_path)
         wb.journal.remove(row.id)
         return None
+    if (row.state is JState.TO_THROUGH and row.path is not None and row.tmp is not None
+            and not await wb.device.run(os.path.exists, data_path) and await _exists(wb, row.tmp)):
+        # a row of an older daemon (schema 1 wrote ``through`` before the copy and removed the
+        # data file only after it): no data file means the copy was complete
+        await _promote(wb, row, row.tmp)
+        wb.journal.remove(row.id)
+        return None
     # DIRTY or TO_THROUGH: the data file holds the bytes; a temporary file is partial
     for t in (row.tmp, row.prev):
         if t is not None:

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
-import trio
-
 from tierfs import logevents
 from tierfs.errors import TierfsError
 from tierfs.sched.scheduler import Klass
@@ -96,15 +94,12 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0)
         wb._journal(wb.journal.set_tmp, df.id, tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
-        with trio.CancelScope(shield=True):
-            if out >= 0:
-                os.close(out)  # a failed switch never keeps its descriptor (nor its space)
-            if tmp is not None:
-                with contextlib.suppress(OSError, TierfsError):
-                    await wb.sched.io(partial(wb.tree.unlink_quiet, tmp), Klass.DEMAND, nbytes=0)
+        if out >= 0:
+            os.close(out)  # a failed switch never keeps its descriptor (nor its space)
+        if tmp is None or await wb.remove_tmp(tmp):
             with contextlib.suppress(OSError):
                 wb.journal.set_tmp(df.id, None, JState.DIRTY)
-            df.advance(DirtyState.DIRTY)
+        df.advance(DirtyState.DIRTY)
         raise
     _step("through:journaled")
     src = df.fd
