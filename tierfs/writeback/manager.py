@@ -604,14 +604,16 @@ class WriteBack:
 
     @_pins_df
     async def read(self, df: DirtyFile, offset: int, size: int) -> bytes:
-        async with self._gate(df):
-            if offset >= df.size:
-                return b""
-            size = min(size, df.size - offset)
-            if df.through:
-                return await self.sched.io(partial(pread_exact, df.fd, size, offset), Klass.DEMAND,  # type: ignore[return-value]
-                                           nbytes=size, written=False)
-            return await self.data_device.run(pread_exact, df.fd, size, offset)
+        # Not gated: a read never waits for a switch or a commit (an fsync of a large file).
+        # The pin keeps the descriptor it takes open even if a switch replaces it meanwhile
+        # (the old one holds everything written before the switch began).
+        if offset >= df.size:
+            return b""
+        size = min(size, df.size - offset)
+        if df.through:
+            return await self.sched.io(partial(pread_exact, df.fd, size, offset), Klass.DEMAND,  # type: ignore[return-value]
+                                       nbytes=size, written=False)
+        return await self.data_device.run(pread_exact, df.fd, size, offset)
 
     @_pins_df
     async def truncate(self, df: DirtyFile, size: int) -> None:

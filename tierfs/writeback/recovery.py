@@ -62,6 +62,7 @@ async def _promote(wb: WriteBack, row: JournalRow, tmp: bytes) -> None:
     """A complete temporary file of ``row``: durable, then renamed to its final name."""
     assert row.path is not None
     await _backing(wb, _fsync_rel, wb.tree, tmp)
+    wb.journal.set_tmp(row.id, tmp, JState.COMMIT)  # a crash after the rename finds it done
     await _backing(wb, _commit, wb.tree, tmp, row.path)
 
 
