@@ -432,3 +432,24 @@ async def test_failed_switch_to_write_through_closes_and_removes_its_temporary_f
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "f") == base
 
+
+
+async def test_rename_of_committed_written_through_file_moves_its_backing_file(tmp_path: Path) -> None:
+    """A written-through file made durable while open (its temporary file renamed into place:
+    later writes go to the backing file itself), then renamed and written again: the backing
+    file moves with it (it stayed under the old name, and every later write-back failed)."""
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, tier_bytes=16 * KiB, slice_size=4 * KiB, deadline_s=3600) as wb:
+        data = bytearray(os.urandom(64 * KiB))
+        df = await wb.create(b"a", 0o100644, os.getuid(), os.getgid())
+        wb.opened(df, True)
+        await wb.write(df, 0, bytes(data))
+        assert df.through
+        await wb.wait_durable([df], timeout=30)  # committed while open
+        assert await wb.rename(df, b"b")
+        await wb.write(df, 0, b"new")
+        data[0:3] = b"new"
+        await wb.closed(df, True)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "b") == bytes(data)
+    assert backing_bytes(disks, "a") is None

@@ -744,17 +744,27 @@ class WriteBack:
                 else:
                     await self._unlink_locked(target)
             new_tmp = None
-            if df.through and df.tmp is not None:
+            committed = df.through and df.tmp is None  # its bytes are the backing file at df.path
+            if committed:
+                # move that file along (journaled as a commit from the old name: recovery
+                # completes the move); else it stayed at the old name, which the caller then
+                # removes as a shadow, and the next write-back found nothing at the new one
+                self._journal(self.journal.set_tmp, df.id, df.path, JState.COMMIT)
+            elif df.through and df.tmp is not None:
                 # the temporary file must sit in the new directory for an atomic rename;
                 # journaled first with the old name kept as ``prev`` (recovery looks there too)
                 new_tmp = self.new_tmp_name(df, new_path)
                 self._journal(self.journal.set_tmp, df.id, new_tmp, JState.THROUGH, df.tmp)
             self._journal(self.journal.set_path, df.id, new_path)
+            old_path = df.path
             if self.by_path.get(df.path) is df:
                 del self.by_path[df.path]
             df.path = new_path
             df.touch()
             self.by_path[new_path] = df
+            if committed:
+                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0)
+                self.journal.set_tmp(df.id, None, JState.THROUGH)
             if new_tmp is not None:
                 assert df.tmp is not None
                 await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0)
