@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 def fill(fs: Path) -> None:
     """Fill a filesystem from outside tierfs until it is full."""
-    with open(fs / "filler", "wb") as f:
+    with open(fs / "filler", "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * MiB)
