@@ -324,7 +324,13 @@ def lock_backing(tree: BackingTree) -> int:
     fd = tree.open(b"", os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            # e.g. NFS, which emulates flock with byte-range locks a read-only descriptor of a
+            # directory cannot take: mount anyway, undetected
+            log.warning("cannot lock the backing directory %s (%s): a second tierfs mount of it "
+                        "would not be refused", os.fsdecode(tree.root), e.strerror)
+            return fd
         os.close(fd)
         raise MountError(f"backing directory {os.fsdecode(tree.root)} is already mounted by tierfs "
                          f"at {_other_mount(tree.root)}; unmount that first (two daemons on one "
