@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def test_full_write_tier_filesystem_writes_through(tiermount, tmp_path: Path) ->
             m.stop()  # before the tmpfs goes
 
 
+def free(path: Path) -> int:
+    sv = os.statvfs(path)
+    return sv.f_bavail * sv.f_frsize
+
+
 def _daemon_fds_into(pid: int, where: Path) -> list[str]:
     out = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -74,6 +80,11 @@ def test_backing_store_full_writer_told_enospc(tiermount, tmp_path: Path) -> Non
                 write_chunks(m.mnt / "too-big", os.urandom(40 * MiB))
             assert e.value.errno == errno.ENOSPC
             os.unlink(m.mnt / "too-big")  # what was written of it stays, as on a local disk
+            # its write-back, started at close, stops at its next slice and removes its
+            # temporary file: wait for the space to come back (a condition, not a delay)
+            deadline = time.monotonic() + 30
+            while free(back) < 8 * MiB and time.monotonic() < deadline:
+                time.sleep(0.05)
             ok = os.urandom(4 * MiB)
             write_chunks(m.mnt / "fits", ok)
             tierfs_cmd("flush", str(m.mnt))

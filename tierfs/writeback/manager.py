@@ -4,11 +4,11 @@ A file written through the mount lives whole in a *data file* of the write tier
 (``<tier>/dirty/<id>``) from its first write until it is written back; its attributes (mode,
 owner, times, xattrs) are the data file's own. ``close`` returns once the bytes are in the tier.
 When the last writer closes, the file is queued for write-back with a deadline
-(``writeback_deadline`` after close); the :class:`WriteBack` worker copies it in slices, as
-DEADLINE work of the transaction scheduler (so it yields to demand reads and escalates near its
-deadline), to a temporary file in the target's directory on the backing store, fsyncs it,
-copies the attributes, and renames it into place. The backing store therefore never shows a
-partial file under a final name (design invariant 4).
+(``writeback_deadline`` after close); the worker (:mod:`tierfs.writeback.worker`) copies it
+in slices, as DEADLINE work of the transaction scheduler (so it yields to demand reads and
+escalates near its deadline), to a temporary file in the target's directory on the backing
+store, fsyncs it, copies the attributes, and renames it into place. The backing store therefore
+never shows a partial file under a final name (design invariant 4).
 
 A file that does not fit in the write tier (after clean chunks are evicted from it) is
 *written through* (:mod:`tierfs.writeback.through`): its bytes so far are copied to a temporary
@@ -20,7 +20,8 @@ Each dirty file moves through :class:`~tierfs.writeback.state.DirtyState` by
 :class:`~tierfs.writeback.journal.Journal` before its effect, so
 :func:`tierfs.writeback.recovery.recover` can resume after ``kill -9``.
 
-Every backing-store access goes through a :class:`~tierfs.backing_tree.BackingTree`: temporary
+Every backing-store access goes through a :class:`~tierfs.backing_tree.BackingTree`
+(:mod:`tierfs.writeback.backing_ops`): temporary
 files are created ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an unpredictable name, in-place and
 write-through opens never follow a symlink, commits are ``renameat`` beneath the root.
 """
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import math
@@ -44,12 +44,27 @@ from typing import cast
 import trio
 
 from tierfs import logevents
-from tierfs.backing_tree import BackingTree, split
+from tierfs.backing_tree import BackingTree
 from tierfs.cache.tier import Tier, blocks
-from tierfs.errors import BackingIOError, MountError, TierfsError
-from tierfs.io import Device, pread_exact, pwrite_all, sync_range
+from tierfs.errors import BackingIOError
+from tierfs.io import Device, pread_exact, pwrite_all
 from tierfs.sched.scheduler import Klass, TransactionScheduler
 from tierfs.units import format_size
+from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests patch by identity)
+    DirTimes,
+    _commit,
+    _copy_range,
+    _copy_range_durable,
+    _copy_xattrs,
+    _create_tmp,
+    _finish_attrs_only,
+    _finish_in_place,
+    _finish_tmp,
+    _fsync_lstat,
+    _parent,
+    _remove_tmp,
+    lock_backing,
+)
 from tierfs.writeback.journal import Journal, JState
 from tierfs.writeback.state import DirtyState, check_move
 
@@ -205,137 +220,11 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     return fd
 
 
-def _copy_xattrs(src: int | bytes, dst: int) -> None:
-    try:
-        names = os.listxattr(src)
-    except OSError:
-        return
-    for n in names:
-        if n.startswith("user."):
-            try:
-                os.setxattr(dst, n, os.getxattr(src, n))
-            except OSError:
-                pass
-
-
-def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
-    pwrite_all(dst, pread_exact(src, length, offset), offset)
-
-
-def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
-    """One write-back slice: copy, then push it to the disk within this transaction."""
-    _copy_range(src, dst, offset, length)
-    sync_range(dst, offset, length)
-
-
-def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
-    """Size, attributes and xattrs of the data file onto the temporary file; fsync; close."""
-    try:
-        os.ftruncate(tmp_fd, size)
-        if src_fd != tmp_fd:
-            st = _finish_attrs_only(tmp_fd, src_fd)
-            os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
-        os.fsync(tmp_fd)
-    finally:
-        if src_fd != tmp_fd:
-            os.close(tmp_fd)
-
-
-def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
-    os.ftruncate(dst, size)
-    st = os.fstat(src)
-    os.fchmod(dst, st.st_mode & 0o7777)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.fsync(dst)
-    return os.fstat(dst)
-
-
-DirTimes = tuple[tuple[int, int], int]  # (atime_ns, mtime_ns) before, mtime_ns after creating
-
-
-def _parent(rel: bytes) -> bytes:
-    return split(rel)[0]
-
-
-def _create_tmp(tree: BackingTree, tmp: bytes, flags: int) -> tuple[int, DirTimes]:
-    """Create the write-back temporary file ``tmp`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, 0600,
-    beneath the backing root: a planted file or symlink of that name fails with EEXIST or
-    ELOOP, never is opened); returns it and its directory's times before and after (the commit
-    gives the directory its times back: the temporary file is tierfs' business, not the
-    user's)."""
-    parent = _parent(tmp)
-    before = tree.dir_times(parent)
-    fd = tree.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600)
-    return fd, (before, tree.dir_times(parent)[1])
-
-
-def _commit(tree: BackingTree, tmp: bytes, final: bytes, dir_times: DirTimes | None = None) -> os.stat_result:
-    """Rename into place, give the directory back its times (those from before write-back
-    touched it, or, if someone set them meanwhile - ``tar -x``, ``cp -a`` and ``rsync -a``
-    restore directory times last - those), and make it durable."""
-    parent = _parent(final)
-    restore = None
-    if dir_times is not None:
-        before, after_create = dir_times
-        now = tree.dir_times(parent)
-        restore = before if now[1] == after_create else now
-    tree.rename(tmp, final)
-    if restore is not None:
-        tree.utime(parent, restore)
-    tree.fsync_dir(parent)
-    return tree.lstat(final)
-
-
-def _fsync_lstat(tree: BackingTree, fd: int, path: bytes) -> os.stat_result:
-    os.fsync(fd)
-    return tree.lstat(path)
-
-
 def _unlink_quiet(path: bytes | str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _other_mount(backing: bytes) -> str:
-    """The mountpoint of another tierfs mount of ``backing`` (from /proc/self/mounts), or a
-    description if none is listed (a daemon still starting, or in another mount namespace)."""
-    want = os.path.realpath(backing)
-    try:
-        with open("/proc/self/mounts", "rb") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[2] == b"fuse.tierfs":
-                    src = parts[0].replace(b"\\040", b" ").replace(b"\\\\", b"\\")
-                    if os.path.realpath(src) == want:
-                        return os.fsdecode(parts[1].replace(b"\\040", b" "))
-    except OSError:
-        pass
-    return "another tierfs daemon (not listed in /proc/self/mounts)"
-
-
-def lock_backing(tree: BackingTree) -> int:
-    """Take the backing directory for this daemon's life: ``flock(LOCK_EX | LOCK_NB)`` on a
-    read-only descriptor of its root (the same inode whatever path or bind mount names it).
-    Two daemons on one backing directory delete each other's temporary files and lose closed
-    files. Returns the descriptor (closing it releases the lock). Raises MountError naming the
-    other mount."""
-    fd = tree.open(b"", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            # e.g. NFS, which emulates flock with byte-range locks a read-only descriptor of a
-            # directory cannot take: mount anyway, undetected
-            log.warning("cannot lock the backing directory %s (%s): a second tierfs mount of it "
-                        "would not be refused", os.fsdecode(tree.root), e.strerror)
-            return fd
-        os.close(fd)
-        raise MountError(f"backing directory {os.fsdecode(tree.root)} is already mounted by tierfs "
-                         f"at {_other_mount(tree.root)}; unmount that first (two daemons on one "
-                         "backing directory would lose each other's writes)") from None
-    return fd
 
 
 class WriteBack:
@@ -681,13 +570,13 @@ class WriteBack:
 
         await switch_to_through(self, df)
 
-    async def remove_tmp(self, tmp: bytes) -> bool:
+    async def remove_tmp(self, tmp: bytes, dir_times: DirTimes | None = None) -> bool:
         """Remove a temporary file of ours, even while being cancelled (unmount): shielded, in
         a thread of its own - not through the scheduler, whose dispatcher may be gone. False if
         it could not be removed (the journal still names it; the next mount removes it)."""
         with trio.CancelScope(shield=True):
             try:
-                await trio.to_thread.run_sync(self.tree.unlink_quiet, tmp)
+                await trio.to_thread.run_sync(_remove_tmp, self.tree, tmp, dir_times)
                 return True
             except OSError as e:
                 log.warning("could not remove temporary file %s: %s", os.fsdecode(tmp), e)
@@ -813,7 +702,7 @@ class WriteBack:
         self._uncharge(df, 0)
         if df.through and df.tmp is not None:
             tmp = df.tmp
-            await self.remove_tmp(tmp)
+            await self.remove_tmp(tmp, df.dir_times)
         if df.state is not DirtyState.GONE:
             df.advance(DirtyState.GONE)
         if df.pins:
@@ -898,30 +787,11 @@ class WriteBack:
         return waited
 
     # -- the worker ------------------------------------------------------------------------
-    def _next_job(self) -> DirtyFile | None:
-        now = trio.current_time()
-        ready = [df for df in self.files.values()
-                 if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-                 and df.retry_at <= now and df.inflight == 0 and df.excl is None
-                 and (df.writers == 0 or df.waiters)
-                 and (df.durable_gen < df.gen or df.writers == 0)]
-        return min(ready, key=lambda d: d.deadline) if ready else None
-
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
-        task_status.started()
-        while True:
-            df = self._next_job()
-            if df is None:
-                self._wake = trio.Event()
-                with trio.move_on_after(RETRY_S):
-                    await self._wake.wait()
-                continue
-            try:
-                await self._write_back(df)
-            except OSError as e:
-                # a journal write failed (the write tier's filesystem is full): the file stays
-                # dirty as it was and is retried; the daemon goes on
-                self._failed(df, e)
+        """The write-back worker (:func:`tierfs.writeback.worker.run`)."""
+        from tierfs.writeback.worker import run
+
+        await run(self, task_status=task_status)
 
     def _failed(self, df: DirtyFile, e: BaseException) -> None:
         self.failures += 1
@@ -931,112 +801,6 @@ class WriteBack:
                         "write-back of %s failed (retrying in %.0fs): %s",
                         os.fsdecode(df.path or b"?"), RETRY_S, e)
         self._notify(df, math.inf)
-
-    @_pins_df
-    async def _write_back(self, df: DirtyFile) -> None:
-        df.wb_done = trio.Event()
-        try:
-            if df.through:
-                from tierfs.writeback.through import commit_through
-
-                await commit_through(self, df)
-            else:
-                await self._write_back_dirty(df)
-        finally:
-            df.wb_done.set()
-            df.wb_done = None
-
-    async def _write_back_dirty(self, df: DirtyFile) -> None:
-        """DIRTY -> WRITING -> CLEAN (or back to DIRTY): copy one generation to a fresh
-        temporary file (its name journaled first), fsync, rename into place."""
-        gen = df.gen
-        path0 = df.path
-        df.advance(DirtyState.WRITING)
-        t0 = time.monotonic()
-        settled: trio.Event | None = None
-        tmp_dir = b""
-        st: os.stat_result | None = None
-        try:
-            if df.durable_gen >= gen:
-                # Written back while still open (a flush); closed since, unchanged: it is
-                # clean as it is, no second copy needed.
-                assert df.path is not None
-                st0 = cast("os.stat_result", await self._io(df, partial(self.tree.lstat, df.path), 0))
-                async with df.commit_lock:
-                    self._check(df, gen)
-                st = st0
-            elif df.in_place:
-                st = await self._write_in_place(df, gen)
-            else:
-                assert df.path is not None
-                tmp_dir = _parent(df.path)
-                settled = trio.Event()
-                self._writing_in.setdefault(tmp_dir, []).append(settled)
-                out, df.tmp, dir_times = await self.create_tmp(df, JState.DIRTY, os.O_WRONLY, Klass.DEADLINE,
-                                                               deadline=df.deadline)
-                # (``df.tmp`` from here on: a rename of its directory moves it, and rename_dir
-                # updates it)
-                try:
-                    await self._copy_slices(df, gen, out)
-                    self._check(df, gen)
-                except BaseException:
-                    os.close(out)
-                    raise
-                await self._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
-                async with df.commit_lock:
-                    self._check(df, gen)
-                    assert df.path is not None and df.tmp is not None
-                    st = cast("os.stat_result", await self._io(
-                        df, partial(_commit, self.tree, df.tmp, df.path, dir_times), 0))
-                    df.tmp = None
-        except _Abort:
-            pass
-        except (OSError, TierfsError) as e:
-            if df.path == path0 and df.gen == gen:
-                self._failed(df, e)
-            # else renamed (its directory too) or changed meanwhile: start again, not a failure
-        finally:
-            self.writeback_seconds += time.monotonic() - t0
-            if st is None and df.state is DirtyState.WRITING:
-                df.advance(DirtyState.DIRTY)
-            tmp, df.tmp = df.tmp, None
-            # our own temporary file, whatever became of the file meanwhile
-            removed = tmp is not None and await self.remove_tmp(tmp)
-            if (removed or st is not None) and df.state is not DirtyState.GONE:
-                with contextlib.suppress(OSError):  # the name is gone now; a stale one is harmless
-                    self.journal.set_tmp(df.id, None, JState.DIRTY)
-            if settled is not None:
-                waiting = self._writing_in.get(tmp_dir, [])
-                if settled in waiting:
-                    waiting.remove(settled)
-                if not waiting:
-                    self._writing_in.pop(tmp_dir, None)
-                settled.set()
-        if st is not None:
-            self._finish_success(df, gen, st)
-
-    async def _copy_slices(self, df: DirtyFile, gen: int, out: int) -> None:
-        """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
-        transaction per slice (each pushed to the disk before the next is picked); raises
-        _Abort as soon as the file changes or is unlinked."""
-        off = 0
-        while off < df.size:
-            self._check(df, gen)
-            n = min(self.slice_size, df.size - off)
-            await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
-                           remaining=df.size - off)
-            off += n
-
-    async def _write_in_place(self, df: DirtyFile, gen: int) -> os.stat_result:
-        assert df.path is not None
-        # never follows a symlink planted under the file's name
-        out = cast("int", await self._io(df, partial(self.tree.open, df.path, os.O_WRONLY), 0))
-        try:
-            await self._copy_slices(df, gen, out)
-            st = await self._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
-        finally:
-            os.close(out)
-        return st  # type: ignore[return-value]
 
     def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result) -> None:
         if df.state is DirtyState.GONE:
@@ -1161,17 +925,3 @@ class WriteBack:
             quarantined_paths=tuple(self.quarantined[:QUARANTINE_LISTED]),
             journal_errors=self.journal_errors,
         )
-
-
-def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
-    """Mode, owner and user xattrs of ``src`` onto ``dst``; returns ``src``'s stat."""
-    st = os.fstat(src)
-    try:
-        os.fchown(dst, st.st_uid, st.st_gid)
-    except PermissionError:
-        pass
-    # after the chown, which clears setuid/setgid: written back in the other order, a setuid
-    # file lost its 0o4000 on the backing store (test_same_as_local[chmod_chown], ~1 run in 6)
-    os.fchmod(dst, st.st_mode & 0o7777)
-    _copy_xattrs(src, dst)
-    return st

@@ -31,8 +31,9 @@ import trio
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.tier import blocks
 from tierfs.sched.scheduler import Klass
+from tierfs.writeback.backing_ops import _commit
 from tierfs.writeback.journal import JournalRow, JState
-from tierfs.writeback.manager import DirtyFile, DirtyState, _commit, _unlink_quiet
+from tierfs.writeback.manager import DirtyFile, DirtyState, _unlink_quiet
 
 if TYPE_CHECKING:
     from tierfs.writeback.manager import WriteBack

@@ -30,16 +30,9 @@ from typing import TYPE_CHECKING, cast
 from tierfs import logevents
 from tierfs.errors import TierfsError
 from tierfs.sched.scheduler import Klass
+from tierfs.writeback.backing_ops import _commit, _copy_range, _finish_attrs_only, _fsync_lstat
 from tierfs.writeback.journal import JState
-from tierfs.writeback.manager import (
-    DirtyState,
-    _commit,
-    _copy_range,
-    _finish_attrs_only,
-    _fsync_lstat,
-    _unlink_quiet,
-    log,
-)
+from tierfs.writeback.manager import DirtyState, _unlink_quiet, log
 
 if TYPE_CHECKING:
     from tierfs.writeback.manager import DirtyFile, WriteBack
@@ -81,6 +74,7 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
                     os.fsdecode(df.path))
     out = -1
     tmp: bytes | None = None
+    dir_times = None
     try:
         out, tmp, dir_times = await wb.create_tmp(df, JState.TO_THROUGH, os.O_RDWR, Klass.DEMAND)
         _step("to-through:created")
@@ -96,7 +90,7 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
     except BaseException:
         if out >= 0:
             os.close(out)  # a failed switch never keeps its descriptor (nor its space)
-        if tmp is None or await wb.remove_tmp(tmp):
+        if tmp is None or await wb.remove_tmp(tmp, dir_times):
             with contextlib.suppress(OSError):
                 wb.journal.set_tmp(df.id, None, JState.DIRTY)
         df.advance(DirtyState.DIRTY)
