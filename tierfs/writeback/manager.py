@@ -592,18 +592,21 @@ class WriteBack:
         return head + b"/" + name if head else name
 
     async def create_tmp(self, df: DirtyFile, state: JState, flags: int, klass: Klass, *,
-                         deadline: float = math.inf) -> tuple[int, bytes, DirTimes]:
-        """Journal a fresh temporary name for ``df`` (as ``state``), then create it. A name
-        someone planted meanwhile (EEXIST, ELOOP) is skipped: another is drawn. Returns
-        ``(fd, name, dir_times)``. Raises OSError / BackingIOError."""
+                         deadline: float = math.inf) -> tuple[int, DirTimes]:
+        """Journal a fresh temporary name for ``df`` (as ``state``) and set ``df.tmp`` to it,
+        then create it. ``df.tmp`` is the name from then on: a rename of its directory
+        meanwhile (:meth:`rename_dir`) moves it. A name someone planted (EEXIST, ELOOP) is
+        skipped: another is drawn. Returns ``(fd, dir_times)``. Raises OSError /
+        BackingIOError (``df.tmp`` then names a file that may not exist: remove it quietly)."""
         for _ in range(TMP_TRIES):
             tmp = self.new_tmp_name(df)
             self._journal(self.journal.set_tmp, df.id, tmp, state)  # before the file exists
+            df.tmp = tmp
             try:
                 fd, times = cast("tuple[int, DirTimes]", await self.sched.io(
                     partial(_create_tmp, self.tree, tmp, flags | os.O_CLOEXEC), klass, nbytes=0,
                     deadline=deadline, position=((0, df.id), 0)))
-                return fd, tmp, times
+                return fd, times
             except (OSError, BackingIOError) as e:
                 if e.errno not in (errno.EEXIST, errno.ELOOP):
                     raise

@@ -73,10 +73,10 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
                     "(checkpoint larger than the tier's free space?)", wb.tier.name,
                     os.fsdecode(df.path))
     out = -1
-    tmp: bytes | None = None
     dir_times = None
     try:
-        out, tmp, dir_times = await wb.create_tmp(df, JState.TO_THROUGH, os.O_RDWR, Klass.DEMAND)
+        # (``df.tmp`` from here on: rename_dir keeps it right if the directory moves)
+        out, dir_times = await wb.create_tmp(df, JState.TO_THROUGH, os.O_RDWR, Klass.DEMAND)
         _step("to-through:created")
         off = 0
         while off < df.size:
@@ -86,10 +86,11 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
             _step("to-through:copying")
         await wb.device.run(_finish_attrs_only, out, df.fd)
         await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0)
-        wb._journal(wb.journal.set_tmp, df.id, tmp, JState.THROUGH)  # complete: it holds the bytes
+        wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
         if out >= 0:
             os.close(out)  # a failed switch never keeps its descriptor (nor its space)
+        tmp, df.tmp = df.tmp, None
         if tmp is None or await wb.remove_tmp(tmp, dir_times):
             with contextlib.suppress(OSError):
                 wb.journal.set_tmp(df.id, None, JState.DIRTY)
@@ -99,7 +100,6 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
     src = df.fd
     df.fd = out
     df.through = True
-    df.tmp = tmp
     df.dir_times = dir_times
     df.touch()
     df.advance(DirtyState.THROUGH)

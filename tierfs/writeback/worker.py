@@ -105,8 +105,8 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
             tmp_dir = _parent(df.path)
             settled = trio.Event()
             wb._writing_in.setdefault(tmp_dir, []).append(settled)
-            out, df.tmp, dir_times = await wb.create_tmp(df, JState.DIRTY, os.O_WRONLY, Klass.DEADLINE,
-                                                           deadline=df.deadline)
+            out, dir_times = await wb.create_tmp(df, JState.DIRTY, os.O_WRONLY, Klass.DEADLINE,
+                                                 deadline=df.deadline)
             # (``df.tmp`` from here on: a rename of its directory moves it, and rename_dir
             # updates it)
             try:
