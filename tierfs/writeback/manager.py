@@ -432,16 +432,22 @@ class WriteBack:
         if need <= 0:
             return
         now = time.monotonic()
+        pending = self.tier.dirty
         for _ in range(2):
             if now - self._backing_free_at > BACKING_FREE_TTL_S:
                 sv = self.tree.statvfs()
                 self._backing_free = sv.f_bavail * sv.f_frsize
                 self._backing_free_at = now
-            if self.tier.dirty + need <= self._backing_free:
+            if pending + need <= self._backing_free:
                 return
             self._backing_free_at = -math.inf  # re-read before saying no
-        raise OSError(errno.ENOSPC, f"backing store full: {format_size(self._backing_free)} free, "
-                                    f"{format_size(self.tier.dirty + need)} to write back")
+            # and count exactly (near full only: one pass over the dirty files): unlinked files
+            # still open, or kept for the kernel, are never written back
+            pending = sum(df.accounted for df in self.files.values() if df.path is not None)
+        msg = (f"backing store full: {format_size(self._backing_free)} free, "
+               f"{format_size(pending + need)} to write back")
+        log.info("a write answered ENOSPC: %s", msg)
+        raise OSError(errno.ENOSPC, msg)
 
     def _uncharge(self, df: DirtyFile, new_size: int) -> None:
         keep = blocks(new_size)
