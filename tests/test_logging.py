@@ -173,8 +173,21 @@ def test_backing_store_full_logs_failure_and_missed_deadline_once(tiermount, sma
     log = tmp_path / "daemon.log"
     m = tiermount(ram="64MiB", backing=small_backing,
                   extra=("-o", f"log_file={log},writeback_deadline=500ms"))
-    for name in ("a", "b", "c"):  # fit the write tier, not the 8 MiB backing store
-        (m.mnt / name).write_bytes(os.urandom(10 * MiB))
+    # accepted while the 8 MiB backing store has room (a writer is told ENOSPC at write when
+    # it has not), held open so no write-back starts; then the backing store fills from outside
+    files = [open(m.mnt / name, "wb") for name in ("a", "b", "c")]  # noqa: SIM115
+    for f in files:
+        f.write(os.urandom(2 * MiB))
+        f.flush()
+    with open(small_backing / "filler", "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * MiB)
+                filler.flush()
+        except OSError:
+            pass
+    for f in files:
+        f.close()
     wait_for(log, r"write-back deadline missed: 3 file")
     lines = wait_for(log, r"WARNING: write-back of [abc] failed \(retrying in 5s\):.*No space left")
     assert count(lines, r"write-back of .* failed") == 1  # the other files' failures: held back

@@ -238,6 +238,12 @@ def _check_writeback(wb: dict[str, Any]) -> list[Finding]:
                            f"{'' if eta is None else f', about {eta:.0f}s at the measured rate'}. "
                            "The data is safe in the write tier; the backing store is slower "
                            "than the writes (or failing: see the log)"))
+    if wb.get("quarantined"):
+        shown = ", ".join(wb.get("quarantined_paths") or [])
+        out.append(Finding("problem", "write-back",
+                           f"{wb['quarantined']} file(s) quarantined by crash recovery, not written "
+                           f"back (their bytes were gone): {shown}. Whatever was kept is in the "
+                           f"{wb.get('write_tier')} tier's quarantine/ directory; see docs/writes.md"))
     if wb.get("failures"):
         out.append(Finding("note", "write-back", f"{wb['failures']} failed write-back(s) so far, "
                                                  "retried; see the daemon log"))

@@ -100,6 +100,8 @@ WRITEBACK: list[Spec] = [
     ("failures", "writeback_failures", C, "Failed write-backs (retried)."),
     ("next_deadline_s", "writeback_next_deadline_seconds", G, "Slack of the nearest write-back deadline."),
     ("late_files", "writeback_late_files", G, "Closed files still dirty past writeback_deadline."),
+    ("quarantined", "writeback_quarantined_files", G, "Journal entries crash recovery could not honour (kept)."),
+    ("journal_errors", "writeback_journal_errors", C, "Journal writes that failed (disk full)."),
 ]
 DEVICE: list[Spec] = [
     ("inline_calls", "device_inline_calls", C, "Blocking calls run inline on the event loop."),

@@ -403,7 +403,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     dirty_data_dev = io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S,
                                thread_period=DIRTY_THREAD_PERIOD_S)
     writeback = WriteBack(
-        backing_root=os.fsencode(plan.backing), tier=tiers[wt], tier_index=wt, device=devices[wt],
+        backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
         scheduler=scheduler, journal=Journal(_private_db(tiers[wt], "journal.sqlite")),
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,

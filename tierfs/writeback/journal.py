@@ -1,55 +1,153 @@
 """The write-back journal: one sqlite row per dirty file, in the write tier's directory.
 
 A row is written when a dirty file is created and changed at every rename, unlink and
-write-back step, *before* the operation is answered. With the file's bytes already in the tier
-file (``pwrite`` returned), ``kill -9`` of the daemon at any moment leaves a journal that names
-every dirty file and where it belongs; recovery at the next mount resumes write-back and removes
-any temporary file a write-back had started on the backing store.
+write-back transition, *before* the effect (the file operation, the temporary file, the rename)
+happens. With the file's bytes already in the tier file (``pwrite`` returned), ``kill -9`` of the
+daemon at any moment leaves a journal that names every dirty file, where it belongs, which
+temporary file on the backing store it may have started, and whether that temporary file is
+complete (:class:`JState`); :mod:`tierfs.writeback.recovery` resumes from it at the next mount.
 
 Commits use WAL with ``synchronous=NORMAL``: they survive the daemon's death (the WAL is in the
-kernel's page cache) at ~30 us each, and :meth:`Journal.sync` (a full checkpoint, with fsync)
-makes them survive power loss too; ``fsync(2)`` of a dirty file calls it.
+kernel's page cache) at ~30 us each. :meth:`Journal.sync` makes them survive power loss too by
+``fsync``-ing the WAL file (``fsync(2)`` of a dirty file calls it): with ``synchronous=NORMAL``
+sqlite syncs the WAL before each checkpoint and the database after it, so a synced WAL holds
+every commit not yet in a synced database. It takes no lock: journal writes never wait for it.
+
+A row that recovery cannot honour (its bytes are gone) is moved to the ``quarantine`` table,
+never deleted, so ``tierfs stats`` and ``tierfs doctor`` can name it.
+
+Errors: every method raises ``OSError`` - ``ENOSPC`` when sqlite finds the disk full
+(``sqlite3.OperationalError: database or disk is full``), ``EIO`` for other sqlite failures -
+so callers handle the journal like any other file.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import enum
+import errno
 import os
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 
-SCHEMA = 1
+SCHEMA = 2
+# Blocks allocated ahead for the journal (see Journal._reserve). The WAL grows to its
+# auto-checkpoint size (1000 pages of 4 KiB) and is then reused in place from its start, so
+# 4 MiB covers it; the database itself holds one small row per dirty file (1 MiB: thousands).
+WAL_RESERVE_BYTES = 4 << 20
+DB_RESERVE_BYTES = 1 << 20
+FALLOC_FL_KEEP_SIZE = 0x01
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+class JState(enum.Enum):
+    """What a row's temporary file (``tmp``) is, as recorded before the step that makes it so."""
+
+    DIRTY = "dirty"  # the data file in the write tier holds the bytes; ``tmp`` is a partial write-back
+    TO_THROUGH = "to-through"  # still the data file; ``tmp`` is a partial copy for write-through
+    THROUGH = "through"  # ``tmp`` (complete) holds the bytes; None: the final file itself does
+    COMMIT = "commit"  # ``tmp`` (complete) is being renamed to ``path``
 
 
 @dataclass(frozen=True)
 class JournalRow:
     id: int
     path: bytes | None  # where the file belongs (relative to the backing root); None: unlinked
-    tmp: bytes | None  # a write-back's temporary file on the backing store, if one was started
-    through: bool  # written through: the bytes live in ``tmp`` on the backing store
+    tmp: bytes | None  # a temporary file on the backing store, if one was started
+    state: JState = JState.DIRTY
     in_place: bool = False  # hard-linked on the backing store: written back into the same inode
+    prev: bytes | None = None  # a THROUGH file's temporary file before a move to ``tmp`` (rename)
+
+    @property
+    def through(self) -> bool:
+        return self.state in (JState.THROUGH, JState.COMMIT)
+
+
+@dataclass(frozen=True)
+class QuarantinedRow:
+    id: int
+    path: bytes | None
+    tmp: bytes | None
+    state: str
+    reason: str
+    at: float  # seconds since the epoch
+    data: str | None  # the kept data file, if any (under the write tier's ``quarantine/``)
+
+
+def _os_error(e: sqlite3.Error) -> OSError:
+    msg = str(e)
+    if "full" in msg:  # "database or disk is full"
+        return OSError(errno.ENOSPC, f"write-back journal: {msg}")
+    return OSError(errno.EIO, f"write-back journal: {msg}")
 
 
 class Journal:
+    """Args: path: the sqlite file (created if missing). Raises OSError if it cannot be opened."""
+
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS dirty (id INTEGER PRIMARY KEY AUTOINCREMENT, path BLOB,"
-            " tmp BLOB, through INTEGER DEFAULT 0)"
-        )
-        cols = [r[1] for r in self._db.execute("PRAGMA table_info(dirty)")]
-        if "in_place" not in cols:
-            self._db.execute("ALTER TABLE dirty ADD COLUMN in_place INTEGER DEFAULT 0")
-        self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
-        self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+        self._wal_fd = -1
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS dirty (id INTEGER PRIMARY KEY AUTOINCREMENT, path BLOB,"
+                " tmp BLOB, through INTEGER DEFAULT 0)"
+            )
+            cols = [r[1] for r in self._db.execute("PRAGMA table_info(dirty)")]
+            if "in_place" not in cols:
+                self._db.execute("ALTER TABLE dirty ADD COLUMN in_place INTEGER DEFAULT 0")
+            if "state" not in cols:
+                # schema 1: ``through=1`` was written *before* the copy into ``tmp``, so such a
+                # row only says "maybe complete": TO_THROUGH, and recovery keeps the data file
+                # if it is still there (it was removed only after a complete copy).
+                self._db.execute("ALTER TABLE dirty ADD COLUMN state TEXT DEFAULT 'dirty'")
+                self._db.execute("UPDATE dirty SET state='to-through' WHERE through=1")
+            if "prev" not in cols:
+                self._db.execute("ALTER TABLE dirty ADD COLUMN prev BLOB")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS quarantine (id INTEGER PRIMARY KEY, path BLOB, tmp BLOB,"
+                " state TEXT, reason TEXT, at REAL, data TEXT)"
+            )
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT)")
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+        except sqlite3.Error as e:
+            raise _os_error(e) from None
+
+        self.reserved = self._reserve()
+
+    def _reserve(self) -> bool:
+        """Allocate the blocks the WAL and the database will grow into, beyond their ends
+        (``fallocate(FALLOC_FL_KEEP_SIZE)``: the files look unchanged to sqlite): when the
+        write tier's filesystem fills up, journal writes still have room, so the switch to
+        write-through that a full tier calls for can be recorded. Best effort (blocking):
+        False if the filesystem cannot (no room now, or no fallocate)."""
+        ok = True
+        for suffix, n in (("-wal", WAL_RESERVE_BYTES), ("", DB_RESERVE_BYTES)):
+            try:
+                fd = os.open(self.path + suffix, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                ok = False
+                continue
+            try:
+                if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, n) != 0:
+                    ok = False
+            finally:
+                os.close(fd)
+        return ok
 
     def _exec(self, sql: str, args: tuple) -> sqlite3.Cursor:
         with self._lock:
-            return self._db.execute(sql, args)
+            try:
+                return self._db.execute(sql, args)
+            except sqlite3.Error as e:
+                raise _os_error(e) from None
 
     def add(self, path: bytes | None) -> int:
         """A new dirty file at ``path``; returns its id (which names its data file)."""
@@ -59,17 +157,32 @@ class Journal:
         self._exec("UPDATE dirty SET path=? WHERE id=?", (path, id))
 
     def rename_prefix(self, old: bytes, new: bytes) -> None:
-        """A directory moved: every row under ``old/`` moves under ``new/``."""
-        with self._lock:
-            rows = self._db.execute("SELECT id, path FROM dirty WHERE path IS NOT NULL").fetchall()
-            self._db.execute("BEGIN")
-            for id_, p in rows:
-                if p.startswith(old + b"/"):
-                    self._db.execute("UPDATE dirty SET path=? WHERE id=?", (new + p[len(old):], id_))
-            self._db.execute("COMMIT")
+        """A directory moved: every row (path and temporary file) under ``old/`` moves under
+        ``new/``, in one transaction."""
+        def moved(p: bytes | None) -> bytes | None:
+            return new + p[len(old):] if p is not None and p.startswith(old + b"/") else p
 
-    def set_tmp(self, id: int, tmp: bytes | None, through: bool = False) -> None:
-        self._exec("UPDATE dirty SET tmp=?, through=? WHERE id=?", (tmp, int(through), id))
+        with self._lock:
+            try:
+                rows = self._db.execute("SELECT id, path, tmp, prev FROM dirty").fetchall()
+                self._db.execute("BEGIN")
+                try:
+                    for id_, p, t, pv in rows:
+                        if (moved(p), moved(t), moved(pv)) != (p, t, pv):
+                            self._db.execute("UPDATE dirty SET path=?, tmp=?, prev=? WHERE id=?",
+                                             (moved(p), moved(t), moved(pv), id_))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise _os_error(e) from None
+
+    def set_tmp(self, id: int, tmp: bytes | None, state: JState = JState.DIRTY,
+                prev: bytes | None = None) -> None:
+        """Record the row's temporary file and what it is (before the step that makes it so)."""
+        self._exec("UPDATE dirty SET tmp=?, state=?, through=?, prev=? WHERE id=?",
+                   (tmp, state.value, int(state in (JState.THROUGH, JState.COMMIT)), prev, id))
 
     def set_in_place(self, id: int) -> None:
         self._exec("UPDATE dirty SET in_place=1 WHERE id=?", (id,))
@@ -78,19 +191,52 @@ class Journal:
         self._exec("DELETE FROM dirty WHERE id=?", (id,))
 
     def rows(self) -> list[JournalRow]:
-        cur = self._exec("SELECT id, path, tmp, through, in_place FROM dirty ORDER BY id", ())
-        return [JournalRow(i, p, t, bool(th), bool(ip)) for i, p, t, th, ip in cur.fetchall()]
+        cur = self._exec("SELECT id, path, tmp, state, in_place, prev FROM dirty ORDER BY id", ())
+        out = []
+        for i, p, t, s, ip, pv in cur.fetchall():
+            try:
+                st = JState(s)
+            except ValueError:
+                st = JState.TO_THROUGH  # unknown: the safest reading (keep the data file)
+            out.append(JournalRow(i, p, t, st, bool(ip), pv))
+        return out
+
+    def quarantine(self, row: JournalRow, reason: str, data: str | None = None) -> None:
+        """Move ``row`` to the quarantine table (one transaction)."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                try:
+                    self._db.execute("INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                     (row.id, row.path, row.tmp, row.state.value, reason, time.time(), data))
+                    self._db.execute("DELETE FROM dirty WHERE id=?", (row.id,))
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise _os_error(e) from None
+
+    def quarantined(self) -> list[QuarantinedRow]:
+        cur = self._exec("SELECT id, path, tmp, state, reason, at, data FROM quarantine ORDER BY id", ())
+        return [QuarantinedRow(*r) for r in cur.fetchall()]
 
     def sync(self) -> None:
-        """Make every commit so far durable (blocking: call from a device thread)."""
-        with self._lock:
-            self._db.execute("PRAGMA wal_checkpoint(FULL)")
-            fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+        """Make every commit so far durable: fsync the WAL (blocking: call from a device thread;
+        takes no lock, so journal writes go on meanwhile). Raises OSError."""
+        if self._wal_fd < 0:
+            fd = os.open(self.path + "-wal", os.O_RDONLY | os.O_CLOEXEC)
+            dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                os.fsync(fd)
+                os.fsync(dfd)  # the WAL's directory entry, once
             finally:
-                os.close(fd)
+                os.close(dfd)
+            self._wal_fd = fd
+        os.fsync(self._wal_fd)
 
     def close(self) -> None:
         with self._lock:
+            if self._wal_fd >= 0:
+                os.close(self._wal_fd)
+                self._wal_fd = -1
             self._db.close()

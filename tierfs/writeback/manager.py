@@ -4,31 +4,39 @@ A file written through the mount lives whole in a *data file* of the write tier
 (``<tier>/dirty/<id>``) from its first write until it is written back; its attributes (mode,
 owner, times, xattrs) are the data file's own. ``close`` returns once the bytes are in the tier.
 When the last writer closes, the file is queued for write-back with a deadline
-(``writeback_deadline`` after close); the :class:`WriteBack` worker copies it in slices, as
-DEADLINE work of the transaction scheduler (so it yields to demand reads and escalates near its
-deadline), to a temporary name in the target's directory on the backing store, fsyncs it,
-copies the attributes, and renames it into place. The backing store therefore never shows a
-partial file under a final name (design invariant 4).
+(``writeback_deadline`` after close); the worker (:mod:`tierfs.writeback.worker`) copies it
+in slices, as DEADLINE work of the transaction scheduler (so it yields to demand reads and
+escalates near its deadline), to a temporary file in the target's directory on the backing
+store, fsyncs it, copies the attributes, and renames it into place. The backing store therefore
+never shows a partial file under a final name (design invariant 4).
 
 A file that does not fit in the write tier (after clean chunks are evicted from it) is
-*written through*: its bytes so far are copied to the temporary file on the backing store, and
-later writes go there (as DEMAND work); close then only fsyncs and renames.
+*written through* (:mod:`tierfs.writeback.through`): its bytes so far are copied to a temporary
+file on the backing store, and later writes go there (as DEMAND work); close then only fsyncs
+and renames.
 
-Every step is recorded in the :class:`~tierfs.writeback.journal.Journal` before it is
-answered, so :meth:`WriteBack.recover` can resume after ``kill -9``.
+Each dirty file moves through :class:`~tierfs.writeback.state.DirtyState` by
+:meth:`DirtyFile.advance`; every move with a crash story is recorded in the
+:class:`~tierfs.writeback.journal.Journal` before its effect, so
+:func:`tierfs.writeback.recovery.recover` can resume after ``kill -9``.
+
+Every backing-store access goes through a :class:`~tierfs.backing_tree.BackingTree`
+(:mod:`tierfs.writeback.backing_ops`): temporary
+files are created ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an unpredictable name, in-place and
+write-through opens never follow a symlink, commits are ``renameat`` beneath the root.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import functools
 import logging
 import math
 import os
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -36,25 +44,41 @@ from typing import cast
 import trio
 
 from tierfs import logevents, private
+from tierfs.backing_tree import BackingTree
 from tierfs.cache.tier import Tier, blocks
-from tierfs.errors import BackingIOError, TierfsError
-from tierfs.io import Device, pread_exact, pwrite_all, sync_range
+from tierfs.errors import BackingIOError
+from tierfs.io import Device, pread_exact, pwrite_all
 from tierfs.sched.scheduler import Klass, TransactionScheduler
-from tierfs.writeback.journal import Journal
+from tierfs.units import format_size
+from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests patch by identity)
+    DirTimes,
+    _commit,
+    _copy_range,
+    _copy_range_durable,
+    _copy_xattrs,
+    _create_tmp,
+    _finish_attrs_only,
+    _finish_in_place,
+    _finish_tmp,
+    _fsync_lstat,
+    _parent,
+    _remove_tmp,
+    lock_backing,
+)
+from tierfs.writeback.journal import Journal, JState
+from tierfs.writeback.state import DirtyState, check_move
 
 log = logging.getLogger("tierfs.writeback")
 TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from readdir
 RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
+BACKING_FREE_TTL_S = 1.0  # how long a read of the backing store's free space is trusted
+TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted file or symlink)
+
+__all__ = ["TMP_PREFIX", "DirtyFile", "DirtyState", "WriteBack", "WriteBackStats", "is_tmp_name"]
 
 
 def is_tmp_name(name: bytes) -> bool:
     return name.startswith(TMP_PREFIX)
-
-
-class DirtyState(enum.Enum):
-    DIRTY = "dirty"
-    WRITING = "writing"
-    CLEAN = "clean"
 
 
 @dataclass(eq=False)
@@ -73,7 +97,7 @@ class DirtyFile:
     since: float = field(default_factory=time.monotonic)
     deadline: float = math.inf
     due: float = math.inf  # writeback_deadline after the last writer closed (a flush moves ``deadline``, not this)
-    through: bool = False
+    through: bool = False  # the bytes live on the backing store (``tmp``, or the final file once committed)
     in_place: bool = False  # hard-linked on the backing store: written back into its inode
     dir_times: tuple[tuple[int, int], int] | None = None  # dir times around a write-through's start
     tmp: bytes | None = None
@@ -85,11 +109,24 @@ class DirtyFile:
     pins: int = 0  # operations using ``fd`` across an await; it is closed only at zero
     keep: int = 0  # kernel inodes that may still open it after an unlink (see Operations._preserve)
     close_pending: bool = False  # released (clean or discarded) while pinned
+    # The fd gate: operations that use or change ``fd``, ``size`` or attributes count in
+    # ``inflight``; the switch to write-through and a written-through file's commit hold it
+    # exclusively (``excl`` set: newcomers wait on it; the holder waits for ``drained``).
+    inflight: int = 0
+    excl: trio.Event | None = None
+    drained: trio.Event | None = None
+    retired_fds: list[int] = field(default_factory=list)  # replaced while pinned: closed at zero pins
+    wb_done: trio.Event | None = None  # set when the write-back in flight ends
+
+    def advance(self, new: DirtyState) -> None:
+        """Move to ``new``; raises IllegalTransition for a move the state diagram lacks."""
+        check_move(self.state, new)
+        self.state = new
 
     def touch(self) -> None:
         self.gen += 1
         if self.state is DirtyState.CLEAN:
-            self.state = DirtyState.DIRTY
+            self.advance(DirtyState.THROUGH if self.through else DirtyState.DIRTY)
 
 
 def _pins_df(fn):  # type: ignore[no-untyped-def]
@@ -104,15 +141,23 @@ def _pins_df(fn):  # type: ignore[no-untyped-def]
             return await fn(self, df, *args, **kwargs)
         finally:
             df.pins -= 1
-            if df.pins == 0 and df.close_pending:
-                _close_released(df)
+            if df.pins == 0:
+                _close_retired(df)
+                if df.close_pending:
+                    _close_released(df)
 
     return wrapper
+
+
+def _close_retired(df: DirtyFile) -> None:
+    while df.retired_fds:
+        os.close(df.retired_fds.pop())
 
 
 def _close_released(df: DirtyFile) -> None:
     """Close and remove the data of a released dirty file (called once nobody uses it)."""
     df.close_pending = False
+    _close_retired(df)
     if df.fd >= 0:
         os.close(df.fd)
         df.fd = -1
@@ -157,6 +202,12 @@ class WriteBackStats:
     next_deadline_s: float | None
     write_tier: str
     late_files: int = 0  # closed files still dirty past their writeback_deadline
+    quarantined: int = 0  # journal rows recovery could not honour (kept, see `tierfs doctor`)
+    quarantined_paths: tuple[str, ...] = ()  # their paths (the first QUARANTINE_LISTED)
+    journal_errors: int = 0  # journal writes that failed (disk full): the file stayed as it was
+
+
+QUARANTINE_LISTED = 20  # paths listed in the statistics (the journal keeps every row)
 
 
 # -- blocking helpers (device threads) ---------------------------------------------------------
@@ -171,94 +222,6 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     return fd
 
 
-def _copy_xattrs(src: int | bytes, dst: int) -> None:
-    try:
-        names = os.listxattr(src)
-    except OSError:
-        return
-    for n in names:
-        if n.startswith("user."):
-            try:
-                os.setxattr(dst, n, os.getxattr(src, n))
-            except OSError:
-                pass
-
-
-def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
-    pwrite_all(dst, pread_exact(src, length, offset), offset)
-
-
-def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
-    """One write-back slice: copy, then push it to the disk within this transaction."""
-    _copy_range(src, dst, offset, length)
-    sync_range(dst, offset, length)
-
-
-def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
-    """Size, attributes and xattrs of the data file onto the temporary file; fsync; close."""
-    try:
-        os.ftruncate(tmp_fd, size)
-        if src_fd != tmp_fd:
-            st = _finish_attrs_only(tmp_fd, src_fd)
-            os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
-        os.fsync(tmp_fd)
-    finally:
-        if src_fd != tmp_fd:
-            os.close(tmp_fd)
-
-
-def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
-    os.ftruncate(dst, size)
-    st = os.fstat(src)
-    os.fchmod(dst, st.st_mode & 0o7777)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-    os.fsync(dst)
-    return os.fstat(dst)
-
-
-def _dir_times(path: bytes) -> tuple[int, int]:
-    st = os.stat(os.path.dirname(path) or b".")
-    return (st.st_atime_ns, st.st_mtime_ns)
-
-
-DirTimes = tuple[tuple[int, int], int]  # (atime_ns, mtime_ns) before, mtime_ns after creating
-
-
-def _open_tmp(tmp: bytes, flags: int) -> tuple[int, DirTimes]:
-    """Create a write-back temporary file; returns it and its directory's times before and
-    after (the commit gives the directory its times back: the temporary file is tierfs'
-    business, not the user's)."""
-    before = _dir_times(tmp)
-    fd = os.open(tmp, flags, 0o600)
-    return fd, (before, _dir_times(tmp)[1])
-
-
-def _commit(tmp: bytes, final: bytes, dir_times: DirTimes | None = None) -> os.stat_result:
-    """Rename into place, give the directory back its times (those from before write-back
-    touched it, or, if someone set them meanwhile - ``tar -x``, ``cp -a`` and ``rsync -a``
-    restore directory times last - those), and make it durable."""
-    parent = os.path.dirname(final) or b"."
-    restore = None
-    if dir_times is not None:
-        before, after_create = dir_times
-        st = os.stat(parent)
-        restore = before if st.st_mtime_ns == after_create else (st.st_atime_ns, st.st_mtime_ns)
-    os.rename(tmp, final)
-    if restore is not None:
-        os.utime(parent, ns=restore)
-    dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return os.lstat(final)
-
-
-def _fsync_lstat(fd: int, path: bytes) -> os.stat_result:
-    os.fsync(fd)
-    return os.lstat(path)
-
-
 def _unlink_quiet(path: bytes | str) -> None:
     try:
         os.unlink(path)
@@ -268,19 +231,26 @@ def _unlink_quiet(path: bytes | str) -> None:
 
 class WriteBack:
     """Args:
-        backing_root: the backing directory. tier: the write tier; tier_index: its index in
-        the cache. device: the write tier's device. scheduler: for every backing transfer.
-        make_room: evicts clean chunks from the write tier: ``await make_room(tier_index, n)``.
-        deadline_s: seconds from close to the write-back deadline. on_clean: called with the
-        file and the backing ``stat`` of its final path once it is written back.
+        backing_root: the backing directory. tree: its :class:`BackingTree` (one is opened
+        here if None). tier: the write tier; tier_index: its index in the cache. device: the
+        write tier's device. scheduler: for every backing transfer. make_room: evicts clean
+        chunks from the write tier: ``await make_room(tier_index, n)``. deadline_s: seconds
+        from close to the write-back deadline. on_clean: called with the file and the backing
+        ``stat`` of its final path once it is written back.
+
+    Raises:
+        MountError: another tierfs daemon holds the backing directory (:func:`lock_backing`).
     """
 
     def __init__(self, *, backing_root: bytes, tier: Tier, tier_index: int, device: Device,
                  scheduler: TransactionScheduler, journal: Journal, data_device: Device | None = None,
                  make_room: Callable[[int, int], object], deadline_s: float,
-                 slice_size: int, fsync_backing: bool = False,
+                 slice_size: int, fsync_backing: bool = False, tree: BackingTree | None = None,
                  on_clean: Callable[[DirtyFile, os.stat_result | None], None] | None = None) -> None:
         self.root = backing_root
+        self._own_tree = tree is None
+        self.tree = tree if tree is not None else BackingTree(backing_root)
+        self._lock_fd = lock_backing(self.tree)
         self.tier = tier
         self.tier_index = tier_index
         self.device = device
@@ -297,6 +267,7 @@ class WriteBack:
         # private (0700, verified, see tierfs.private); files are reached through its descriptor
         self.dirty_fd = private.subdir(tier.dir_fd, "dirty", os.path.join(tier.path, "dirty"))
         self.dirty_dir = private.fd_path(self.dirty_fd)
+        self.quarantine_dir = os.path.join(tier.path, "quarantine")
         self.files: dict[int, DirtyFile] = {}
         self.by_path: dict[bytes, DirtyFile] = {}
         self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
@@ -307,6 +278,10 @@ class WriteBack:
         self.device_seconds = 0.0  # backing-device time spent in write-back transactions
         self.device_bytes = 0
         self.failures = 0
+        self.journal_errors = 0
+        self.quarantined: list[str] = []  # paths of rows recovery quarantined (all mounts so far)
+        self._backing_free = 0
+        self._backing_free_at = -math.inf
 
     # -- lookup ----------------------------------------------------------------------------
     def get(self, path: bytes) -> DirtyFile | None:
@@ -331,19 +306,81 @@ class WriteBack:
         prefix = dir_path + b"/"
         return any(p.startswith(prefix) for p in self.by_path)
 
+    # -- the fd gate -----------------------------------------------------------------------
+    async def _enter(self, df: DirtyFile) -> None:
+        """Count an operation on ``df.fd`` (waits while the gate is held exclusively)."""
+        while df.excl is not None:
+            await df.excl.wait()
+        df.inflight += 1
+
+    def _leave(self, df: DirtyFile) -> None:
+        df.inflight -= 1
+        if df.inflight == 0 and df.drained is not None:
+            df.drained.set()
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, df: DirtyFile) -> AsyncIterator[None]:
+        await self._enter(df)
+        try:
+            yield
+        finally:
+            self._leave(df)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, df: DirtyFile) -> AsyncIterator[None]:
+        """Hold ``df``'s fd gate alone: no write, truncate, attribute change or read of its fd
+        runs meanwhile (the switch to write-through swaps the fd; a written-through file's
+        commit sizes and renames it)."""
+        while df.excl is not None:
+            await df.excl.wait()
+        ev = df.excl = trio.Event()
+        try:
+            while df.inflight:
+                df.drained = trio.Event()
+                await df.drained.wait()
+            yield
+        finally:
+            df.drained = None
+            df.excl = None
+            ev.set()
+
+    # -- journal ---------------------------------------------------------------------------
+    def _journal(self, fn: Callable[..., object], *args: object) -> object:
+        """A journal write; its OSError (ENOSPC: the write tier's filesystem is full) is counted
+        and raised for the caller to answer (the step it guards is then not taken)."""
+        try:
+            return fn(*args)
+        except OSError:
+            self.journal_errors += 1
+            raise
+
     # -- creating --------------------------------------------------------------------------
     async def create(self, path: bytes, mode: int, uid: int, gid: int,
                      times: tuple[int, int] | None = None, *, journal: bool = True) -> DirtyFile:
         """A new, empty dirty file at ``path`` (replacing whatever the mount showed there).
         ``journal=False``: its journal row names no path yet (a copy-up in progress, which a
         crash must discard, never write back over the good backing file); :meth:`copy_up`
-        names it once the copy is complete."""
+        names it once the copy is complete. Raises OSError (ENOSPC: no room for the journal
+        row or the data file)."""
         old = self.by_path.get(path)
         if old is not None:
             await self.unlink(old)
-        id_ = self.journal.add(path if journal else None)
+        # The row names no path until the data file exists: a crash in between leaves a row
+        # recovery simply drops (nothing was answered yet), never one whose data is "missing".
+        id_ = cast("int", self._journal(self.journal.add, None))
         data_path = os.path.join(self.dirty_dir, str(id_))
-        fd = await self.device.run(_create_data_file, data_path, mode, uid, gid, times)
+        fd = -1
+        try:
+            fd = await self.device.run(_create_data_file, data_path, mode, uid, gid, times)
+            if journal:
+                self._journal(self.journal.set_path, id_, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+                _unlink_quiet(data_path)
+            with contextlib.suppress(OSError):
+                self.journal.remove(id_)
+            raise
         df = DirtyFile(id_, path, data_path, fd=fd)
         self.files[id_] = df
         self.by_path[path] = df
@@ -367,11 +404,12 @@ class WriteBack:
                 await self.write(df, off, data, touch_mtime=False)
                 off += n
             if st.st_size:
-                await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
+                async with self._gate(df):
+                    await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
         finally:
             df.writers -= 1
         if df.path is not None:
-            self.journal.set_path(df.id, df.path)  # complete: from now on it is a dirty file
+            self._journal(self.journal.set_path, df.id, df.path)  # complete: from now on it is a dirty file
         return df
 
     # -- data ------------------------------------------------------------------------------
@@ -388,36 +426,91 @@ class WriteBack:
         df.accounted += need
         return True
 
+    def _check_backing_room(self, need: int) -> None:
+        """Raise OSError(ENOSPC) if the backing store cannot take ``need`` more bytes on top of
+        every dirty byte waiting for write-back: the writer is told at ``write`` (as the docs
+        promise), not left with a file that can never be written back. Free space is
+        ``fstatvfs`` of the backing root (one cheap call, on the loop), re-read at most every
+        BACKING_FREE_TTL_S and whenever the answer would be no."""
+        if need <= 0:
+            return
+        now = time.monotonic()
+        pending = self.tier.dirty
+        for _ in range(2):
+            if now - self._backing_free_at > BACKING_FREE_TTL_S:
+                sv = self.tree.statvfs()
+                self._backing_free = sv.f_bavail * sv.f_frsize
+                self._backing_free_at = now
+            if pending + need <= self._backing_free:
+                return
+            self._backing_free_at = -math.inf  # re-read before saying no
+            # and count exactly (near full only: one pass over the dirty files): unlinked files
+            # still open, or kept for the kernel, are never written back
+            pending = sum(df.accounted for df in self.files.values() if df.path is not None)
+        msg = (f"backing store full: {format_size(self._backing_free)} free, "
+               f"{format_size(pending + need)} to write back")
+        log.info("a write answered ENOSPC: %s", msg)
+        raise OSError(errno.ENOSPC, msg)
+
     def _uncharge(self, df: DirtyFile, new_size: int) -> None:
         keep = blocks(new_size)
         if keep < df.accounted:
             self.tier.dirty -= df.accounted - keep
             df.accounted = keep
 
+    async def _enter_sized(self, df: DirtyFile, end: int) -> None:
+        """Enter the gate with room for ``end`` bytes: in the write tier, or (switching to
+        write-through first if the tier cannot hold them) on the backing store."""
+        while True:
+            if df.excl is not None:
+                await df.excl.wait()
+                continue
+            if not df.through and end > df.size:
+                self._check_backing_room(blocks(end) - df.accounted)
+                if not await self._charge(df, end):
+                    await self.to_through(df)
+                    continue
+            if df.excl is not None:
+                continue  # a switch began while room was being made: look again after it
+            df.inflight += 1
+            return
+
     @_pins_df
     async def write(self, df: DirtyFile, offset: int, data: bytes, touch_mtime: bool = True) -> int:
         """Write at ``offset``. Raises OSError(ENOSPC) only if the backing store is full."""
         end = offset + len(data)
-        if not df.through and end > df.size and not await self._charge(df, end):
-            await self._to_through(df)
-        df.touch()
-        if df.through:
-            await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
-        else:
-            try:
-                await self.data_device.run(pwrite_all, df.fd, data, offset)
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                # The tier's filesystem filled from outside: write through instead.
-                await self._to_through(df)
+        await self._enter_sized(df, end)
+        entered = True
+        try:
+            df.touch()
+            if df.through:
                 await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
-        if end > df.size:
-            df.size = end
+            else:
+                try:
+                    await self.data_device.run(pwrite_all, df.fd, data, offset)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    # The tier's filesystem filled from outside: write through instead.
+                    self._leave(df)
+                    entered = False
+                    await self.to_through(df)
+                    await self._enter(df)
+                    entered = True
+                    df.touch()
+                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+            if end > df.size:
+                df.size = end
+        finally:
+            if entered:
+                self._leave(df)
         return len(data)
 
     @_pins_df
     async def read(self, df: DirtyFile, offset: int, size: int) -> bytes:
+        # Not gated: a read never waits for a switch or a commit (an fsync of a large file).
+        # The pin keeps the descriptor it takes open even if a switch replaces it meanwhile
+        # (the old one holds everything written before the switch began).
         if offset >= df.size:
             return b""
         size = min(size, df.size - offset)
@@ -428,15 +521,30 @@ class WriteBack:
 
     @_pins_df
     async def truncate(self, df: DirtyFile, size: int) -> None:
-        if not df.through and size > df.size and not await self._charge(df, size):
-            await self._to_through(df)
-        df.touch()
-        if df.through:
-            await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0)
-        else:
-            await self.device.run(os.ftruncate, df.fd, size)
-            self._uncharge(df, size)
-        df.size = size
+        """Set the size. The new size is in force (``df.size``, a new generation) before any
+        other operation or write-back sees the file again: a write-back starting meanwhile
+        used to write the old size back, padded with zeros."""
+        # Counted as a writer meanwhile: a write-back finishing during the awaits below must not
+        # mark the file clean (and release it) with the truncate still to come, as it did for
+        # open(O_TRUNC) right after the last close.
+        df.writers += 1
+        try:
+            await self._enter_sized(df, size)
+        except BaseException:
+            df.writers -= 1
+            raise
+        try:
+            df.touch()
+            if df.through:
+                await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0)
+            else:
+                await self.device.run(os.ftruncate, df.fd, size)
+                self._uncharge(df, size)
+            df.size = size
+            df.touch()
+        finally:
+            self._leave(df)
+            df.writers -= 1
 
     async def stat(self, df: DirtyFile) -> os.stat_result:
         return os.fstat(df.fd)  # fstat of an open fd: no I/O
@@ -444,57 +552,76 @@ class WriteBack:
     @_pins_df
     async def set_attrs(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
                         gid: int | None = None, times: tuple[int, int] | None = None) -> None:
-        def apply() -> None:
+        def apply(fd: int) -> None:
             # owner first: a chown clears setuid/setgid, a mode given with it is kept (as a
             # local filesystem does for one setattr carrying both)
             if uid is not None or gid is not None:
-                os.fchown(df.fd, -1 if uid is None else uid, -1 if gid is None else gid)
+                os.fchown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
             if mode is not None:
-                os.fchmod(df.fd, mode & 0o7777)
+                os.fchmod(fd, mode & 0o7777)
             if times is not None:
-                os.utime(df.fd, ns=times)
+                os.utime(fd, ns=times)
 
-        df.touch()
-        await self.device.run(apply)
+        async with self._gate(df):
+            df.touch()
+            await self.device.run(apply, df.fd)
 
     @_pins_df
     async def xattr(self, df: DirtyFile, fn: Callable[[int], object]) -> object:
-        return await self.device.run(fn, df.fd)
+        async with self._gate(df):
+            return await self.device.run(fn, df.fd)
 
-    @_pins_df
-    async def _to_through(self, df: DirtyFile) -> None:
-        """Move a file the write tier cannot hold to a temporary file on the backing store."""
-        if df.path is None:
-            raise OSError(errno.ENOSPC, "write tier full and the file is unlinked")
-        tmp_rel = self._tmp_name(df)
-        tmp_abs = self.root + b"/" + tmp_rel
-        self.journal.set_tmp(df.id, tmp_rel, through=True)
-        logevents.event(log, logging.WARNING, "write-tier-full",
-                        "write tier %s full: writing %s through to the backing store "
-                        "(checkpoint larger than the tier's free space?)", self.tier.name,
-                        os.fsdecode(df.path))
-        opened = await self.sched.io(partial(_open_tmp, tmp_abs, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC),
-                                     Klass.DEMAND, nbytes=0)
-        out, df.dir_times = cast("tuple[int, DirTimes]", opened)
-        off = 0
-        while off < df.size:
-            n = min(self.slice_size, df.size - off)
-            await self.sched.io(partial(_copy_range, df.fd, out, off, n), Klass.DEMAND, nbytes=n)
-            off += n
-        src = df.fd
-        await self.device.run(_finish_attrs_only, out, src)
-        df.fd = out
-        df.through = True
-        df.tmp = tmp_rel
-        os.close(src)
-        await self.device.run(_unlink_quiet, df.data_path)
-        self._uncharge(df, 0)
+    async def to_through(self, df: DirtyFile) -> None:
+        """Move a file the write tier cannot hold to the backing store (see
+        :mod:`tierfs.writeback.through`). Raises OSError / BackingIOError (ENOSPC: the backing
+        store is full too); the file then stays in the write tier as it was."""
+        from tierfs.writeback.through import switch_to_through
 
-    def _tmp_name(self, df: DirtyFile) -> bytes:
-        assert df.path is not None
-        head, _, _ = df.path.rpartition(b"/")
-        name = TMP_PREFIX + f"{df.id}.{df.gen}".encode()
+        await switch_to_through(self, df)
+
+    async def remove_tmp(self, tmp: bytes, dir_times: DirTimes | None = None) -> bool:
+        """Remove a temporary file of ours, even while being cancelled (unmount): shielded, in
+        a thread of its own - not through the scheduler, whose dispatcher may be gone. False if
+        it could not be removed (the journal still names it; the next mount removes it)."""
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(_remove_tmp, self.tree, tmp, dir_times)
+                return True
+            except OSError as e:
+                log.warning("could not remove temporary file %s: %s", os.fsdecode(tmp), e)
+        return False
+
+    def new_tmp_name(self, df: DirtyFile, path: bytes | None = None) -> bytes:
+        """A fresh, unpredictable temporary name beside ``path`` (default ``df.path``):
+        ``.tierfs-wb.<id>.<random>`` (recognisable by :func:`is_tmp_name`, never guessable)."""
+        path = df.path if path is None else path
+        assert path is not None
+        head = _parent(path)
+        name = TMP_PREFIX + f"{df.id}.".encode() + secrets.token_hex(8).encode()
         return head + b"/" + name if head else name
+
+    async def create_tmp(self, df: DirtyFile, state: JState, flags: int, klass: Klass, *,
+                         deadline: float = math.inf) -> tuple[int, DirTimes]:
+        """Journal a fresh temporary name for ``df`` (as ``state``) and set ``df.tmp`` to it,
+        then create it. ``df.tmp`` is the name from then on: a rename of its directory
+        meanwhile (:meth:`rename_dir`) moves it. A name someone planted (EEXIST, ELOOP) is
+        skipped: another is drawn. Returns ``(fd, dir_times)``. Raises OSError /
+        BackingIOError (``df.tmp`` then names a file that may not exist: remove it quietly)."""
+        for _ in range(TMP_TRIES):
+            tmp = self.new_tmp_name(df)
+            self._journal(self.journal.set_tmp, df.id, tmp, state)  # before the file exists
+            df.tmp = tmp
+            try:
+                fd, times = cast("tuple[int, DirTimes]", await self.sched.io(
+                    partial(_create_tmp, self.tree, tmp, flags | os.O_CLOEXEC), klass, nbytes=0,
+                    deadline=deadline, position=((0, df.id), 0)))
+                return fd, times
+            except (OSError, BackingIOError) as e:
+                if e.errno not in (errno.EEXIST, errno.ELOOP):
+                    raise
+                log.warning("write-back: temporary name %s was taken (planted?); drawing another",
+                            os.fsdecode(tmp))
+        raise OSError(errno.EEXIST, "no free temporary name", os.fsdecode(df.path or b"?"))
 
     # -- namespace -------------------------------------------------------------------------
     def set_in_place(self, df: DirtyFile) -> None:
@@ -523,19 +650,33 @@ class WriteBack:
                         await self._unlink_locked(target)
                 else:
                     await self._unlink_locked(target)
+            new_tmp = None
+            committed = df.through and df.tmp is None  # its bytes are the backing file at df.path
+            if committed:
+                # move that file along (journaled as a commit from the old name: recovery
+                # completes the move); else it stayed at the old name, which the caller then
+                # removes as a shadow, and the next write-back found nothing at the new one
+                self._journal(self.journal.set_tmp, df.id, df.path, JState.COMMIT)
+            elif df.through and df.tmp is not None:
+                # the temporary file must sit in the new directory for an atomic rename;
+                # journaled first with the old name kept as ``prev`` (recovery looks there too)
+                new_tmp = self.new_tmp_name(df, new_path)
+                self._journal(self.journal.set_tmp, df.id, new_tmp, JState.THROUGH, df.tmp)
+            self._journal(self.journal.set_path, df.id, new_path)
+            old_path = df.path
             if self.by_path.get(df.path) is df:
                 del self.by_path[df.path]
             df.path = new_path
             df.touch()
             self.by_path[new_path] = df
-            self.journal.set_path(df.id, new_path)
-            if df.through and df.tmp is not None:
-                # the temporary file must sit in the new directory for an atomic rename
-                new_tmp = self._tmp_name(df)
-                await self.sched.io(partial(os.rename, self.root + b"/" + df.tmp, self.root + b"/" + new_tmp),
-                                    Klass.DEMAND, nbytes=0)
+            if committed:
+                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0)
+                self.journal.set_tmp(df.id, None, JState.THROUGH)
+            if new_tmp is not None:
+                assert df.tmp is not None
+                await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0)
                 df.tmp = new_tmp
-                self.journal.set_tmp(df.id, new_tmp, through=True)
+                self.journal.set_tmp(df.id, new_tmp, JState.THROUGH)
             return True
 
     def rename_dir(self, old: bytes, new: bytes) -> None:
@@ -544,13 +685,10 @@ class WriteBack:
             del self.by_path[p]
             df.path = new + p[len(old):]
             self.by_path[df.path] = df
-            if df.tmp is not None:
+            if df.tmp is not None and df.tmp.startswith(old + b"/"):
                 df.tmp = new + df.tmp[len(old):]
         if moved:
             self.journal.rename_prefix(old, new)
-            for _, df in moved:
-                if df.tmp is not None:
-                    self.journal.set_tmp(df.id, df.tmp, through=df.through)
 
     async def unlink(self, df: DirtyFile) -> bool:
         """Forget a dirty file's changes. False if it was written back before the lock was had
@@ -562,11 +700,11 @@ class WriteBack:
             return True
 
     async def _unlink_locked(self, df: DirtyFile) -> None:
+        self.journal.set_path(df.id, None)
         if df.path is not None and self.by_path.get(df.path) is df:
             del self.by_path[df.path]
         df.path = None
         df.touch()
-        self.journal.set_path(df.id, None)
         if df.handles == 0 and df.keep == 0:
             await self._discard(df)
 
@@ -575,12 +713,16 @@ class WriteBack:
         self.files.pop(df.id, None)
         self._uncharge(df, 0)
         if df.through and df.tmp is not None:
-            await self.sched.io(partial(_unlink_quiet, self.root + b"/" + df.tmp), Klass.DEMAND, nbytes=0)
+            tmp = df.tmp
+            await self.remove_tmp(tmp, df.dir_times)
+        if df.state is not DirtyState.GONE:
+            df.advance(DirtyState.GONE)
         if df.pins:
             df.close_pending = True  # closed when the last user is done
         else:
             _close_released(df)
-        self.journal.remove(df.id)
+        with contextlib.suppress(OSError):
+            self.journal.remove(df.id)
         self._notify(df, math.inf)
 
     # -- handles ---------------------------------------------------------------------------
@@ -608,13 +750,15 @@ class WriteBack:
         if df.keep == 0 and df.handles == 0 and df.path is None and df.id in self.files:
             await self._discard(df)
 
+    @_pins_df
     async def fsync(self, df: DirtyFile) -> None:
         """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
-        if df.through:
-            await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0)
-        else:
-            await self.device.run(os.fsync, df.fd)
-        await self.device.run(self.journal.sync)
+        async with self._gate(df):
+            if df.through:
+                await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0)
+            else:
+                await self.device.run(os.fsync, df.fd)
+        await trio.to_thread.run_sync(self.journal.sync)  # never on the loop: an fsync
         if self.fsync_backing:
             await self.wait_durable([df], timeout=math.inf)
 
@@ -655,145 +799,28 @@ class WriteBack:
         return waited
 
     # -- the worker ------------------------------------------------------------------------
-    def _next_job(self) -> DirtyFile | None:
-        now = trio.current_time()
-        ready = [df for df in self.files.values()
-                 if df.state is DirtyState.DIRTY and df.path is not None and df.retry_at <= now
-                 and (df.writers == 0 or df.waiters)
-                 and (df.durable_gen < df.gen or df.writers == 0)]
-        return min(ready, key=lambda d: d.deadline) if ready else None
-
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
-        task_status.started()
-        while True:
-            df = self._next_job()
-            if df is None:
-                self._wake = trio.Event()
-                with trio.move_on_after(RETRY_S):
-                    await self._wake.wait()
-                continue
-            await self._write_back(df)
+        """The write-back worker (:func:`tierfs.writeback.worker.run`)."""
+        from tierfs.writeback.worker import run
 
-    @_pins_df
-    async def _write_back(self, df: DirtyFile) -> None:
-        gen = df.gen
-        path0 = df.path
-        df.state = DirtyState.WRITING
-        t0 = time.monotonic()
-        tmp_abs: bytes | None = None
-        settled: trio.Event | None = None
-        tmp_dir = b""
-        try:
-            if df.durable_gen >= gen and not df.through:
-                # Written back while still open (a flush); closed since, unchanged: it is
-                # clean as it is, no second copy needed.
-                assert df.path is not None
-                st = await self._io(df, partial(os.lstat, self.root + b"/" + df.path), 0)
-                async with df.commit_lock:
-                    self._check(df, gen)
-                    self._finish_success(df, gen, st)  # type: ignore[arg-type]
-                return
-            if df.through and df.tmp is None:
-                # Written through and committed before: its fd is the file under its final name
-                # now, so later writes (np.memmap w+ after a flush) only need to be made durable.
-                # This case used to fail an assertion and take the daemon down.
-                assert df.path is not None
-                st = await self._io(df, partial(_fsync_lstat, df.fd, self.root + b"/" + df.path), 0)
-                async with df.commit_lock:
-                    self._check(df, gen)
-                    self._finish_success(df, gen, st)  # type: ignore[arg-type]
-                return
-            if df.through:
-                assert df.tmp is not None
-                tmp_abs = self.root + b"/" + df.tmp
-                await self._io(df, partial(_finish_tmp, df.fd, df.fd, df.size), 0)
-            elif df.in_place:
-                assert df.path is not None
-                st = await self._write_in_place(df, gen)
-                self._finish_success(df, gen, st)
-                return
-            else:
-                tmp_rel = self._tmp_name(df)
-                tmp_abs = self.root + b"/" + tmp_rel
-                tmp_dir = tmp_rel.rpartition(b"/")[0]
-                settled = trio.Event()
-                self._writing_in.setdefault(tmp_dir, []).append(settled)
-                self.journal.set_tmp(df.id, tmp_rel)
-                opened = await self._io(df, partial(_open_tmp, tmp_abs,
-                                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC), 0)
-                out, dir_times = cast("tuple[int, DirTimes]", opened)
-                try:
-                    await self._copy_slices(df, gen, out)
-                    self._check(df, gen)
-                except BaseException:
-                    os.close(out)
-                    raise
-                await self._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
-            async with df.commit_lock:
-                self._check(df, gen)
-                assert df.path is not None
-                st = await self._io(df, partial(_commit, tmp_abs, self.root + b"/" + df.path,
-                                                df.dir_times if df.through else dir_times), 0)
-                tmp_abs = None
-                df.tmp = None
-                self.journal.set_tmp(df.id, None)
-        except _Abort:
-            df.state = DirtyState.DIRTY
-        except (OSError, TierfsError) as e:
-            if df.path != path0 or df.gen != gen:
-                # renamed (its directory too) or changed meanwhile: start again, not a failure
-                df.state = DirtyState.DIRTY
-                return
-            self.failures += 1
-            df.error = str(e)
-            df.retry_at = trio.current_time() + RETRY_S
-            df.state = DirtyState.DIRTY
-            logevents.event(log, logging.WARNING, "writeback-failed",
-                            "write-back of %s failed (retrying in %.0fs): %s",
-                            os.fsdecode(df.path or b"?"), RETRY_S, e)
-            self._notify(df, math.inf)
-        else:
-            self._finish_success(df, gen, st)  # type: ignore[arg-type]
-        finally:
-            self.writeback_seconds += time.monotonic() - t0
-            if tmp_abs is not None and not df.through:
-                try:
-                    await self.sched.io(partial(_unlink_quiet, tmp_abs), Klass.DEADLINE, nbytes=0)
-                except (OSError, TierfsError):
-                    pass
-                self.journal.set_tmp(df.id, None)
-            if settled is not None:
-                waiting = self._writing_in.get(tmp_dir, [])
-                if settled in waiting:
-                    waiting.remove(settled)
-                if not waiting:
-                    self._writing_in.pop(tmp_dir, None)
-                settled.set()
+        await run(self, task_status=task_status)
 
-    async def _copy_slices(self, df: DirtyFile, gen: int, out: int) -> None:
-        """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
-        transaction per slice (each pushed to the disk before the next is picked); raises
-        _Abort as soon as the file changes or is unlinked."""
-        off = 0
-        while off < df.size:
-            self._check(df, gen)
-            n = min(self.slice_size, df.size - off)
-            await self._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
-                           remaining=df.size - off)
-            off += n
-
-    async def _write_in_place(self, df: DirtyFile, gen: int) -> os.stat_result:
-        assert df.path is not None
-        out = await self._io(df, partial(os.open, self.root + b"/" + df.path, os.O_WRONLY | os.O_CLOEXEC), 0)
-        assert isinstance(out, int)
-        try:
-            await self._copy_slices(df, gen, out)
-            st = await self._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
-        finally:
-            os.close(out)
-        return st  # type: ignore[return-value]
+    def _failed(self, df: DirtyFile, e: BaseException) -> None:
+        self.failures += 1
+        df.error = str(e)
+        df.retry_at = trio.current_time() + RETRY_S
+        logevents.event(log, logging.WARNING, "writeback-failed",
+                        "write-back of %s failed (retrying in %.0fs): %s",
+                        os.fsdecode(df.path or b"?"), RETRY_S, e)
+        self._notify(df, math.inf)
 
     def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result) -> None:
+        if df.state is DirtyState.GONE:
+            return
+        if df.state is DirtyState.WRITING:
+            df.advance(DirtyState.DIRTY)  # -> CLEAN below, if it stayed unchanged and closed
+        elif df.state is DirtyState.THROUGH_WRITING:
+            df.advance(DirtyState.THROUGH)
         df.error = None
         df.durable_gen = gen
         self.written_files += 1
@@ -802,8 +829,6 @@ class WriteBack:
         self._notify(df, gen)
         if df.gen == gen and df.writers == 0:
             self._mark_clean(df, st)
-        else:
-            df.state = DirtyState.DIRTY
 
     def _check(self, df: DirtyFile, gen: int) -> None:
         if df.gen != gen or df.path is None:
@@ -835,10 +860,16 @@ class WriteBack:
         return 100e6
 
     def _mark_clean(self, df: DirtyFile, st: os.stat_result) -> None:
-        df.state = DirtyState.CLEAN
+        try:
+            self.journal.remove(df.id)
+        except OSError as e:
+            # cannot record it (disk full): stays dirty; a later write-back tries again
+            self.journal_errors += 1
+            self._failed(df, e)
+            return
+        df.advance(DirtyState.CLEAN)
         if df.path is not None and self.by_path.get(df.path) is df:
             del self.by_path[df.path]
-        self.journal.remove(df.id)
         if self.on_clean is not None:
             self.on_clean(df, st)
         if df.handles == 0:
@@ -853,57 +884,23 @@ class WriteBack:
             _close_released(df)
 
     # -- recovery --------------------------------------------------------------------------
+    async def _reopen_data(self, data_path: str) -> int:
+        """A journaled data file, opened again at recovery: only a regular file of the
+        daemon's user with one link, never through a symlink (:func:`tierfs.private.open_file`).
+        Raises OSError (recovery then quarantines the row)."""
+        return await self.device.run(partial(private.open_file, self.dirty_fd, os.path.basename(data_path),
+                                             os.O_RDWR, create=False, attrs=False))
+
     async def recover(self) -> int:
-        """Resume after a crash: every journaled file is queued for write-back again; temporary
-        files a write-back had started are removed. Returns the number of dirty files found."""
-        n = 0
-        for row in self.journal.rows():
-            data_path = os.path.join(self.dirty_dir, str(row.id))
-            if row.through:
-                # The bytes are in the temporary file on the backing store: finish it there.
-                if row.tmp is not None and row.path is not None:
-                    try:
-                        await self.sched.io(partial(_commit, self.root + b"/" + row.tmp,
-                                                    self.root + b"/" + row.path), Klass.DEMAND, nbytes=0)
-                    except OSError as e:
-                        log.warning("recovery: %s", e)
-                elif row.tmp is not None:
-                    await self.sched.io(partial(_unlink_quiet, self.root + b"/" + row.tmp), Klass.DEMAND, nbytes=0)
-                self.journal.remove(row.id)
-                continue
-            if row.tmp is not None:
-                await self.sched.io(partial(_unlink_quiet, self.root + b"/" + row.tmp), Klass.DEMAND, nbytes=0)
-                self.journal.set_tmp(row.id, None)
-            if row.path is None or not await self.device.run(os.path.exists, data_path):
-                await self.device.run(_unlink_quiet, data_path)
-                self.journal.remove(row.id)
-                continue
-            try:  # a regular file with one link, never through a symlink
-                fd = await self.device.run(partial(private.open_file, self.dirty_fd, str(row.id),
-                                                   os.O_RDWR, create=False, attrs=False))
-            except OSError as e:
-                log.error("recovery: dirty file %d of %r refused (%s); its changes are lost",
-                          row.id, row.path, e)
-                self.journal.remove(row.id)
-                continue
-            size = os.fstat(fd).st_size
-            due = trio.current_time() + self.deadline_s
-            df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
-                           deadline=due, due=due, in_place=row.in_place)
-            self.tier.dirty += blocks(size)
-            df.accounted = blocks(size)
-            self.files[row.id] = df
-            self.by_path[row.path] = df
-            n += 1
-        # data files nobody journals (a crash between creating one and journaling it)
-        for name in os.listdir(self.dirty_dir):
-            if name.isdigit() and int(name) not in self.files:
-                _unlink_quiet(os.path.join(self.dirty_dir, name))
-        self._wake.set()
-        return n
+        """Resume after a crash (see :mod:`tierfs.writeback.recovery`). Returns the number of
+        dirty files found; never raises for a row it cannot honour (that row is quarantined)."""
+        from tierfs.writeback.recovery import recover
+
+        return await recover(self)
 
     def close(self) -> None:
         for df in list(self.files.values()):
+            _close_retired(df)
             if df.fd >= 0:
                 os.close(df.fd)
                 df.fd = -1
@@ -911,11 +908,17 @@ class WriteBack:
         if self.dirty_fd >= 0:
             os.close(self.dirty_fd)
             self.dirty_fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        if self._own_tree:
+            self.tree.close()
 
     # -- statistics ------------------------------------------------------------------------
     def statistics(self) -> WriteBackStats:
         now_m = time.monotonic()
-        dirty = [df for df in self.files.values() if df.state is not DirtyState.CLEAN and df.path is not None]
+        dirty = [df for df in self.files.values()
+                 if df.state not in (DirtyState.CLEAN, DirtyState.GONE) and df.path is not None]
         dirty_bytes = sum(df.size for df in dirty)
         thr = self.device_bytes / self.device_seconds if self.device_seconds > 0 else 0.0
         deadlines = [df.deadline for df in dirty if df.deadline < math.inf]
@@ -924,7 +927,7 @@ class WriteBack:
             dirty_files=len(dirty),
             dirty_bytes=dirty_bytes,
             oldest_dirty_age_s=max((now_m - df.since for df in dirty), default=0.0),
-            writing=sum(df.state is DirtyState.WRITING for df in dirty),
+            writing=sum(df.state in (DirtyState.WRITING, DirtyState.THROUGH_WRITING) for df in dirty),
             written_files=self.written_files,
             written_bytes=self.written_bytes,
             writeback_seconds=self.writeback_seconds,
@@ -935,18 +938,7 @@ class WriteBack:
             next_deadline_s=(min(deadlines) - now_t) if deadlines else None,
             write_tier=self.tier.name,
             late_files=sum(df.writers == 0 and df.due < now_t for df in dirty),
+            quarantined=len(self.quarantined),
+            quarantined_paths=tuple(self.quarantined[:QUARANTINE_LISTED]),
+            journal_errors=self.journal_errors,
         )
-
-
-def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
-    """Mode, owner and user xattrs of ``src`` onto ``dst``; returns ``src``'s stat."""
-    st = os.fstat(src)
-    try:
-        os.fchown(dst, st.st_uid, st.st_gid)
-    except PermissionError:
-        pass
-    # after the chown, which clears setuid/setgid: written back in the other order, a setuid
-    # file lost its 0o4000 on the backing store (test_same_as_local[chmod_chown], ~1 run in 6)
-    os.fchmod(dst, st.st_mode & 0o7777)
-    _copy_xattrs(src, dst)
-    return st

@@ -1,0 +1,172 @@
+"""Blocking calls of the write path on the backing store (run in device threads, through the
+scheduler), and the backing-directory lock. Every path is relative to the backing root and
+resolved through a :class:`~tierfs.backing_tree.BackingTree`: never through a symlink, never
+outside the root."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+
+from tierfs.backing_tree import BackingTree, split
+from tierfs.errors import MountError
+from tierfs.io import pread_exact, pwrite_all, sync_range
+
+log = logging.getLogger("tierfs.writeback")
+
+
+def _copy_xattrs(src: int | bytes, dst: int) -> None:
+    try:
+        names = os.listxattr(src)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith("user."):
+            try:
+                os.setxattr(dst, n, os.getxattr(src, n))
+            except OSError:
+                pass
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    pwrite_all(dst, pread_exact(src, length, offset), offset)
+
+
+def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
+    """One write-back slice: copy, then push it to the disk within this transaction."""
+    _copy_range(src, dst, offset, length)
+    sync_range(dst, offset, length)
+
+
+def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
+    """Size, attributes and xattrs of the data file onto the temporary file; fsync; close."""
+    try:
+        os.ftruncate(tmp_fd, size)
+        if src_fd != tmp_fd:
+            st = _finish_attrs_only(tmp_fd, src_fd)
+            os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.fsync(tmp_fd)
+    finally:
+        if src_fd != tmp_fd:
+            os.close(tmp_fd)
+
+
+def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
+    os.ftruncate(dst, size)
+    st = os.fstat(src)
+    os.fchmod(dst, st.st_mode & 0o7777)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.fsync(dst)
+    return os.fstat(dst)
+
+
+DirTimes = tuple[tuple[int, int], int]  # (atime_ns, mtime_ns) before, mtime_ns after creating
+
+
+def _parent(rel: bytes) -> bytes:
+    return split(rel)[0]
+
+
+def _create_tmp(tree: BackingTree, tmp: bytes, flags: int) -> tuple[int, DirTimes]:
+    """Create the write-back temporary file ``tmp`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, 0600,
+    beneath the backing root: a planted file or symlink of that name fails with EEXIST or
+    ELOOP, never is opened); returns it and its directory's times before and after (the commit
+    gives the directory its times back: the temporary file is tierfs' business, not the
+    user's)."""
+    parent = _parent(tmp)
+    before = tree.dir_times(parent)
+    fd = tree.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    return fd, (before, tree.dir_times(parent)[1])
+
+
+def _commit(tree: BackingTree, tmp: bytes, final: bytes, dir_times: DirTimes | None = None) -> os.stat_result:
+    """Rename into place, give the directory back its times (those from before write-back
+    touched it, or, if someone set them meanwhile - ``tar -x``, ``cp -a`` and ``rsync -a``
+    restore directory times last - those), and make it durable."""
+    parent = _parent(final)
+    restore = None
+    if dir_times is not None:
+        before, after_create = dir_times
+        now = tree.dir_times(parent)
+        restore = before if now[1] == after_create else now
+    tree.rename(tmp, final)
+    if restore is not None:
+        tree.utime(parent, restore)
+    tree.fsync_dir(parent)
+    return tree.lstat(final)
+
+
+def _fsync_lstat(tree: BackingTree, fd: int, path: bytes) -> os.stat_result:
+    os.fsync(fd)
+    return tree.lstat(path)
+
+
+def _other_mount(backing: bytes) -> str:
+    """The mountpoint of another tierfs mount of ``backing`` (from /proc/self/mounts), or a
+    description if none is listed (a daemon still starting, or in another mount namespace)."""
+    want = os.path.realpath(backing)
+    try:
+        with open("/proc/self/mounts", "rb") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[2] == b"fuse.tierfs":
+                    src = parts[0].replace(b"\\040", b" ").replace(b"\\\\", b"\\")
+                    if os.path.realpath(src) == want:
+                        return os.fsdecode(parts[1].replace(b"\\040", b" "))
+    except OSError:
+        pass
+    return "another tierfs daemon (not listed in /proc/self/mounts)"
+
+
+def lock_backing(tree: BackingTree) -> int:
+    """Take the backing directory for this daemon's life: ``flock(LOCK_EX | LOCK_NB)`` on a
+    read-only descriptor of its root (the same inode whatever path or bind mount names it).
+    Two daemons on one backing directory delete each other's temporary files and lose closed
+    files. Returns the descriptor (closing it releases the lock). Raises MountError naming the
+    other mount."""
+    fd = tree.open(b"", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            # e.g. NFS, which emulates flock with byte-range locks a read-only descriptor of a
+            # directory cannot take: mount anyway, undetected
+            log.warning("cannot lock the backing directory %s (%s): a second tierfs mount of it "
+                        "would not be refused", os.fsdecode(tree.root), e.strerror)
+            return fd
+        os.close(fd)
+        raise MountError(f"backing directory {os.fsdecode(tree.root)} is already mounted by tierfs "
+                         f"at {_other_mount(tree.root)}; unmount that first (two daemons on one "
+                         "backing directory would lose each other's writes)") from None
+    return fd
+
+
+def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
+    """Mode, owner and user xattrs of ``src`` onto ``dst``; returns ``src``'s stat."""
+    st = os.fstat(src)
+    try:
+        os.fchown(dst, st.st_uid, st.st_gid)
+    except PermissionError:
+        pass
+    # after the chown, which clears setuid/setgid: written back in the other order, a setuid
+    # file lost its 0o4000 on the backing store (test_same_as_local[chmod_chown], ~1 run in 6)
+    os.fchmod(dst, st.st_mode & 0o7777)
+    _copy_xattrs(src, dst)
+    return st
+
+
+def _remove_tmp(tree: BackingTree, tmp: bytes, dir_times: DirTimes | None) -> None:
+    """Remove a temporary file that will not be committed and give its directory back its
+    times, as :func:`_commit` does (an aborted write-back must not change the mtime ``tar -x``
+    restored meanwhile)."""
+    parent = _parent(tmp)
+    restore = None
+    if dir_times is not None:
+        before, after_create = dir_times
+        now = tree.dir_times(parent)
+        restore = before if now[1] == after_create else now
+    tree.unlink_quiet(tmp)
+    if restore is not None:
+        tree.utime(parent, restore)

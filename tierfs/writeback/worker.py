@@ -1,0 +1,175 @@
+"""The write-back worker: picks the dirty file due first and writes it back, one at a time.
+
+A file in the write tier goes DIRTY -> WRITING -> CLEAN: its name is journaled, a fresh
+temporary file is created beside the target (``O_EXCL | O_NOFOLLOW``), one generation is copied
+in slices (each a DEADLINE transaction of the scheduler), attributes applied, fsynced, renamed
+into place. A written-through file is committed by :func:`tierfs.writeback.through.commit_through`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from functools import partial
+from typing import TYPE_CHECKING, cast
+
+import trio
+
+from tierfs.errors import TierfsError
+from tierfs.sched.scheduler import Klass
+from tierfs.writeback.backing_ops import (
+    _commit,
+    _copy_range_durable,
+    _finish_in_place,
+    _finish_tmp,
+    _parent,
+)
+from tierfs.writeback.journal import JState
+from tierfs.writeback.manager import RETRY_S, DirtyFile, DirtyState, _Abort, _pins_df
+
+if TYPE_CHECKING:
+    from tierfs.writeback.manager import WriteBack
+
+
+def next_job(wb: WriteBack) -> DirtyFile | None:
+    """The file to write back next: the earliest deadline among those whose writers closed (or
+    that someone waits for), with no operation in flight and not retrying a failure yet."""
+    now = trio.current_time()
+    ready = [df for df in wb.files.values()
+             if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
+             and df.retry_at <= now and df.inflight == 0 and df.excl is None
+             and (df.writers == 0 or df.waiters)
+             and (df.durable_gen < df.gen or df.writers == 0)]
+    return min(ready, key=lambda d: d.deadline) if ready else None
+
+
+async def run(wb: WriteBack, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+    """Write back forever, one file at a time; sleeps until woken (a close, a flush) or
+    RETRY_S."""
+    task_status.started()
+    while True:
+        df = next_job(wb)
+        if df is None:
+            wb._wake = trio.Event()
+            with trio.move_on_after(RETRY_S):
+                await wb._wake.wait()
+            continue
+        try:
+            await write_back(wb, df)
+        except OSError as e:
+            # a journal write failed (the write tier's filesystem is full): the file stays
+            # dirty as it was and is retried; the daemon goes on
+            wb._failed(df, e)
+
+
+@_pins_df
+async def write_back(wb: WriteBack, df: DirtyFile) -> None:
+    df.wb_done = trio.Event()
+    try:
+        if df.through:
+            from tierfs.writeback.through import commit_through
+
+            await commit_through(wb, df)
+        else:
+            await _write_back_dirty(wb, df)
+    finally:
+        df.wb_done.set()
+        df.wb_done = None
+
+
+async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
+    """DIRTY -> WRITING -> CLEAN (or back to DIRTY): copy one generation to a fresh
+    temporary file (its name journaled first), fsync, rename into place."""
+    gen = df.gen
+    path0 = df.path
+    df.advance(DirtyState.WRITING)
+    t0 = time.monotonic()
+    settled: trio.Event | None = None
+    tmp_dir = b""
+    st: os.stat_result | None = None
+    dir_times = None
+    try:
+        if df.durable_gen >= gen:
+            # Written back while still open (a flush); closed since, unchanged: it is
+            # clean as it is, no second copy needed.
+            assert df.path is not None
+            st0 = cast("os.stat_result", await wb._io(df, partial(wb.tree.lstat, df.path), 0))
+            async with df.commit_lock:
+                wb._check(df, gen)
+            st = st0
+        elif df.in_place:
+            st = await _write_in_place(wb, df, gen)
+        else:
+            assert df.path is not None
+            tmp_dir = _parent(df.path)
+            settled = trio.Event()
+            wb._writing_in.setdefault(tmp_dir, []).append(settled)
+            out, dir_times = await wb.create_tmp(df, JState.DIRTY, os.O_WRONLY, Klass.DEADLINE,
+                                                 deadline=df.deadline)
+            # (``df.tmp`` from here on: a rename of its directory moves it, and rename_dir
+            # updates it)
+            try:
+                await _copy_slices(wb, df, gen, out)
+                wb._check(df, gen)
+            except BaseException:
+                os.close(out)
+                raise
+            await wb._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
+            async with df.commit_lock:
+                wb._check(df, gen)
+                assert df.path is not None and df.tmp is not None
+                st = cast("os.stat_result", await wb._io(
+                    df, partial(_commit, wb.tree, df.tmp, df.path, dir_times), 0))
+                df.tmp = None
+    except _Abort:
+        pass
+    except (OSError, TierfsError) as e:
+        if df.path == path0 and df.gen == gen:
+            wb._failed(df, e)
+        # else renamed (its directory too) or changed meanwhile: start again, not a failure
+    finally:
+        wb.writeback_seconds += time.monotonic() - t0
+        if st is None and df.state is DirtyState.WRITING:
+            df.advance(DirtyState.DIRTY)
+        tmp, df.tmp = df.tmp, None
+        # our own temporary file, whatever became of the file meanwhile
+        removed = tmp is not None and await wb.remove_tmp(tmp, dir_times)
+        if (removed or st is not None) and df.state is not DirtyState.GONE:
+            with contextlib.suppress(OSError):  # the name is gone now; a stale one is harmless
+                wb.journal.set_tmp(df.id, None, JState.DIRTY)
+        if settled is not None:
+            waiting = wb._writing_in.get(tmp_dir, [])
+            if settled in waiting:
+                waiting.remove(settled)
+            if not waiting:
+                wb._writing_in.pop(tmp_dir, None)
+            settled.set()
+    if st is not None:
+        wb._finish_success(df, gen, st)
+
+
+async def _copy_slices(wb: WriteBack, df: DirtyFile, gen: int, out: int) -> None:
+    """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
+    transaction per slice (each pushed to the disk before the next is picked); raises
+    _Abort as soon as the file changes or is unlinked."""
+    off = 0
+    while off < df.size:
+        wb._check(df, gen)
+        n = min(wb.slice_size, df.size - off)
+        await wb._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
+                       remaining=df.size - off)
+        off += n
+
+
+async def _write_in_place(wb: WriteBack, df: DirtyFile, gen: int) -> os.stat_result:
+    assert df.path is not None
+    # never follows a symlink planted under the file's name
+    out = cast("int", await wb._io(df, partial(wb.tree.open, df.path, os.O_WRONLY), 0))
+    try:
+        await _copy_slices(wb, df, gen, out)
+        st = await wb._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
+    finally:
+        os.close(out)
+    return st  # type: ignore[return-value]
+
