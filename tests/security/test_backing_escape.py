@@ -172,8 +172,6 @@ def test_mkdir_then_chmod_never_follows_a_swapped_symlink(tmp_path: Path, monkey
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="the write-back module still resolves absolute backing paths; "
-                   "remove this marker once it writes back through BackingTree")
 def test_dir_swapped_after_create_gets_no_write_back_outside(attacker: User, secmount, shared_dir: Path) -> None:
     """The attacker writes a file through the mount (legitimately), then, before its write-back,
     swaps its backing directory for a symlink to a root directory outside the backing root: the
