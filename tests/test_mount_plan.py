@@ -15,8 +15,9 @@ from tierfs.errors import MountError
 
 
 def _cfg(tmp_path: Path, **kw: object) -> Config:
-    for d in ("backing", "mnt", "ssd"):
+    for d in ("backing", "mnt"):
         (tmp_path / d).mkdir(exist_ok=True)
+    (tmp_path / "ssd").mkdir(mode=0o700, exist_ok=True)  # a tier directory must be private
     return Config(backing=str(tmp_path / "backing"), mountpoint=str(tmp_path / "mnt"), **kw)  # type: ignore[arg-type]
 
 

@@ -65,7 +65,7 @@ class Disks:
         self.back = base / "back"
         self.tier = base / "tier"
         self.back.mkdir(parents=True, exist_ok=True)
-        self.tier.mkdir(parents=True, exist_ok=True)
+        self.tier.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def snapshot(self, dest: Path) -> Disks:
         """What ``kill -9`` now would leave (files as the page cache has them)."""
@@ -164,7 +164,7 @@ async def test_stale_journal_rows_are_quarantined_and_the_rest_proceeds(tmp_path
         await write_file(wb, b"lost-data", b"L" * 100)
         victim = wb.get(b"lost-data")
         assert victim is not None
-        data_path = victim.data_path
+        data_path = disks.tier / "dirty" / str(victim.id)  # (victim.data_path names it by descriptor)
     os.unlink(data_path)  # the data file vanished (deleted by hand, a disk error)
     _raw_through_row(disks.tier / "journal.sqlite", b"stale", b".tierfs-wb.999.1")
     async with instance(disks) as wb:  # must not raise: the mount proceeds
