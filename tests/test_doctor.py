@@ -123,7 +123,9 @@ def test_doctor_says_who_can_use_the_mount(tiermount) -> None:
     shared = tiermount(ram="16MiB")
     _, found = doctor(shared.mnt)
     assert found["users"] == ["ok all users (allow_other, permissions checked by the kernel)"]
-    private = tiermount(ram="16MiB", name="private", extra=("--no-allow-other",))
+    other = shared.backing.parent / "back-private"  # one daemon per backing directory
+    other.mkdir()
+    private = tiermount(ram="16MiB", name="private", extra=("--no-allow-other",), backing=other)
     rc, found = doctor(private.mnt)
     assert rc == 0
     [msg] = found["users"]

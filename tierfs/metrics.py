@@ -161,6 +161,8 @@ class _Builder:
             for k, v in value.items():
                 self.generic(f"{path}.{k}", v, labels)
         elif _number(value) or isinstance(value, bool):
+            if path.endswith("_ms"):  # Prometheus wants base units: milliseconds become seconds
+                path, value = path[:-3] + "_s", value / 1e3
             self.add(_generic_name(path), G, f"stats field {path}", float(value), labels)
 
 
