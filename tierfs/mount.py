@@ -402,10 +402,12 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     wt = names.index(wt_name)
     dirty_data_dev = io.Device(f"{wt_name}-dirty-data", 4, inline_under=DIRTY_INLINE_UNDER_S,
                                thread_period=DIRTY_THREAD_PERIOD_S)
+    journal = Journal(_private_db(tiers[wt], "journal.sqlite"))
+    tiers[wt].set_aside(journal.reserved_bytes)
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
-        scheduler=scheduler, journal=Journal(_private_db(tiers[wt], "journal.sqlite")),
+        scheduler=scheduler, journal=journal,
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
         # fsync waits for the backing store

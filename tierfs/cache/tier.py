@@ -108,6 +108,13 @@ class Tier:
         self._fd_lock = threading.Lock()  # fds are used from the event loop and device threads
 
     # -- accounting -------------------------------------------------------------------------
+    def set_aside(self, nbytes: int) -> None:
+        """Take ``nbytes`` out of the capacity for tierfs' own files in the tier directory (the
+        journal's preallocated space in the write tier), so the directory as a whole stays
+        within the configured size (design invariant 3)."""
+        self.capacity = max(0, self.capacity - nbytes)
+        self.effective_capacity = min(self.effective_capacity, self.capacity)
+
     def room(self) -> int:
         """Free bytes (for writes: dirty data may use the room kept free)."""
         return self.effective_capacity - self.used - self.dirty

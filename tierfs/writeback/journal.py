@@ -121,6 +121,8 @@ class Journal:
             raise _os_error(e) from None
 
         self.reserved = self._reserve()
+        # bytes of the write tier's filesystem the journal holds ahead (taken out of the tier)
+        self.reserved_bytes = WAL_RESERVE_BYTES + DB_RESERVE_BYTES if self.reserved else 0
 
     def _reserve(self) -> bool:
         """Allocate the blocks the WAL and the database will grow into, beyond their ends
