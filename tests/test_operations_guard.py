@@ -32,7 +32,7 @@ def _ops(*, closed=None, forget=None) -> Operations:
     inodes = SimpleNamespace(forget=forget or inodes_forget, on_forget=None)
     cache = SimpleNamespace(forget_access=lambda access: None)
     readahead = SimpleNamespace(forget=lambda state: None)
-    return Operations(inodes=inodes, cache=cache, writeback=wb, readahead=readahead,  # type: ignore[arg-type]
+    return Operations(tree=None, inodes=inodes, cache=cache, writeback=wb, readahead=readahead,  # type: ignore[arg-type]
                       control=None, meta=None, attr_timeout=1.0)  # type: ignore[arg-type]
 
 
