@@ -229,6 +229,17 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     return fd
 
 
+def _name(df: DirtyFile) -> bytes:
+    """The file a dirty file's backing-store call concerns, for error messages and the log."""
+    return df.path if df.path is not None else b"(unlinked file)"
+
+
+def _one_line(text: str) -> str:
+    """An error's text for one log line: as it is when printable (a BackingIOError's path is
+    escaped already, not twice), else escaped."""
+    return text if text.isprintable() else logevents.user_text(text)
+
+
 def _unlink_quiet(path: bytes | str) -> None:
     try:
         os.unlink(path)
@@ -489,7 +500,7 @@ class WriteBack:
                 continue
             try:
                 ok = await self.sched.io(partial(_probe_size, self.tree, TMP_PREFIX + b"probe.", size),
-                                         Klass.DEMAND, nbytes=0)
+                                         Klass.DEMAND, nbytes=0, what=b"")
             except (OSError, BackingIOError) as e:
                 log.info("cannot probe the backing store's largest file (%s): not checked", e)
                 return
@@ -536,7 +547,8 @@ class WriteBack:
         try:
             df.touch()
             if df.through:
-                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
+                                      what=_name(df))
             else:
                 try:
                     await self.data_device.run(pwrite_all, df.fd, data, offset)
@@ -550,7 +562,8 @@ class WriteBack:
                     await self._enter(df)
                     entered = True
                     df.touch()
-                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
+                                      what=_name(df))
             if end > df.size:
                 df.size = end
             if recount and not df.through:
@@ -572,7 +585,7 @@ class WriteBack:
         size = min(size, df.size - offset)
         if df.through:
             return await self.sched.io(partial(pread_exact, df.fd, size, offset), Klass.DEMAND,  # type: ignore[return-value]
-                                       nbytes=size, written=False)
+                                       nbytes=size, written=False, what=_name(df))
         return await self.data_device.run(pread_exact, df.fd, size, offset)
 
     @_pins_df
@@ -592,7 +605,7 @@ class WriteBack:
         try:
             df.touch()
             if df.through:
-                await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0, what=_name(df))
             else:
                 await self.device.run(os.ftruncate, df.fd, size)
                 self._uncharge(df, size)
@@ -670,7 +683,7 @@ class WriteBack:
             try:
                 fd, times = cast("tuple[int, DirTimes]", await self.sched.io(
                     partial(_create_tmp, self.tree, tmp, flags | os.O_CLOEXEC), klass, nbytes=0,
-                    deadline=deadline, position=((0, df.id), 0)))
+                    deadline=deadline, position=((0, df.id), 0), what=tmp))
                 return fd, times
             except (OSError, BackingIOError) as e:
                 if e.errno not in (errno.EEXIST, errno.ELOOP):
@@ -726,11 +739,13 @@ class WriteBack:
             df.touch()
             self.by_path[new_path] = df
             if committed:
-                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0,
+                                    what=old_path)
                 self.journal.set_tmp(df.id, None, JState.THROUGH)
             if new_tmp is not None:
                 assert df.tmp is not None
-                await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0,
+                                    what=df.tmp)
                 df.tmp = new_tmp
                 self.journal.set_tmp(df.id, new_tmp, JState.THROUGH)
             return True
@@ -811,7 +826,7 @@ class WriteBack:
         """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
         async with self._gate(df):
             if df.through:
-                await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0, what=_name(df))
             else:
                 await self.device.run(os.fsync, df.fd)
         await trio.to_thread.run_sync(self.journal.sync)  # never on the loop: an fsync
@@ -867,7 +882,7 @@ class WriteBack:
         df.retry_at = trio.current_time() + RETRY_S
         logevents.event(log, logging.WARNING, "writeback-failed",
                         "write-back of %s failed (retrying in %.0fs): %s",
-                        os.fsdecode(df.path or b"?"), RETRY_S, e)
+                        logevents.user_text(_name(df)), RETRY_S, _one_line(str(e)))
         self._notify(df, math.inf)
 
     def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result, copied: int | None = None) -> None:
@@ -906,7 +921,7 @@ class WriteBack:
         timed = _Timed(fn)
         try:
             return await self.sched.io(timed, Klass.DEADLINE, deadline=deadline, nbytes=nbytes,
-                                       position=((0, df.id), 0))
+                                       position=((0, df.id), 0), what=_name(df))
         finally:
             self.device_seconds += timed.seconds
 

@@ -49,7 +49,8 @@ def _fsync_rel(tree: BackingTree, rel: bytes) -> None:
 
 
 async def _backing(wb: WriteBack, fn, *args):  # type: ignore[no-untyped-def]
-    return await wb.sched.io(partial(fn, *args), Klass.DEMAND, nbytes=0)
+    what = next((a for a in args if isinstance(a, bytes)), None)  # the path it acts on
+    return await wb.sched.io(partial(fn, *args), Klass.DEMAND, nbytes=0, what=what)
 
 
 async def _exists(wb: WriteBack, rel: bytes | None) -> bool:

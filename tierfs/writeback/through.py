@@ -85,15 +85,15 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         out, dir_times = await wb.create_tmp(df, JState.TO_THROUGH, os.O_RDWR, Klass.DEMAND)
         _step("to-through:created")
         # sized first, then only the data segments copied: a sparse file stays sparse
-        await wb.sched.io(partial(_size_tmp, out, df.size), Klass.DEMAND, nbytes=0)
+        await wb.sched.io(partial(_size_tmp, out, df.size), Klass.DEMAND, nbytes=0, what=df.tmp)
         off = 0
         while off < df.size:
             off, _ = cast("tuple[int, int]", await wb.sched.io(
                 partial(_copy_data, df.fd, out, off, df.size, wb.slice_size, False),
-                Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off)))
+                Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off), what=df.tmp))
             _step("to-through:copying")
         await wb.device.run(_finish_attrs_only, out, df.fd)
-        await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0)
+        await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0, what=df.tmp)
         wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
         if out >= 0:
