@@ -65,7 +65,8 @@ class Disks:
         self.back = base / "back"
         self.tier = base / "tier"
         self.back.mkdir(parents=True, exist_ok=True)
-        self.tier.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.tier.mkdir(parents=True, exist_ok=True)
+        self.tier.chmod(0o700)  # a tier directory must be private (tierfs.private refuses it else)
 
     def snapshot(self, dest: Path) -> Disks:
         """What ``kill -9`` now would leave (files as the page cache has them)."""
@@ -164,7 +165,7 @@ async def test_stale_journal_rows_are_quarantined_and_the_rest_proceeds(tmp_path
         await write_file(wb, b"lost-data", b"L" * 100)
         victim = wb.get(b"lost-data")
         assert victim is not None
-        data_path = disks.tier / "dirty" / str(victim.id)  # (victim.data_path names it by descriptor)
+        data_path = disks.tier / "dirty" / os.path.basename(victim.data_path)  # (data_path names it through a descriptor)
     os.unlink(data_path)  # the data file vanished (deleted by hand, a disk error)
     _raw_through_row(disks.tier / "journal.sqlite", b"stale", b".tierfs-wb.999.1")
     async with instance(disks) as wb:  # must not raise: the mount proceeds
@@ -339,7 +340,7 @@ async def test_writes_racing_the_switch_to_write_through_are_kept(tmp_path: Path
 
         async def racing_io(fn):  # type: ignore[no-untyped-def]
             nonlocal copies
-            if isinstance(fn, partial) and fn.func is wbm._copy_range:
+            if isinstance(fn, partial) and fn.func is wbm._copy_data:
                 copies += 1
                 if copies == 3:  # the switch has copied two slices: race it now
                     nursery.start_soon(wb.write, df, 0, b"A" * 100)  # into an already-copied slice
@@ -417,7 +418,7 @@ async def test_failed_switch_to_write_through_closes_and_removes_its_temporary_f
         orig_run_io = wb.sched._run_io
 
         async def full_backing(fn):  # type: ignore[no-untyped-def]
-            if isinstance(fn, partial) and fn.func is wbm._copy_range and fn.args[2] >= 8 * KiB:
+            if isinstance(fn, partial) and fn.func is wbm._copy_data and fn.args[2] >= 8 * KiB:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return await orig_run_io(fn)  # type: ignore[misc]
 

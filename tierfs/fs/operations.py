@@ -230,15 +230,22 @@ class Operations(pyfuse3.Operations):
         return inode == CONTROL_DIR or inode in self.control.by_inode
 
     def _held_fd(self, entry: InodeEntry) -> int | None:
-        """A descriptor of the entry's own backing file, if one is open (an open handle, or the
-        copy kept for an unlinked name): its attributes are that file's, whatever the name now
-        names."""
+        """A descriptor of what the entry's open handles read, if one is open: its attributes are
+        that file's, whatever the name now names. First a dirty file's descriptor a handle
+        reads (a file opened while dirty keeps reading its data file after its write-back, until
+        closed: with the name unlinked, nothing else answers for it), then the copy of the
+        backing file kept for an unlinked name, then a handle's backing file."""
+        backing = None
+        for h in self.handles.handles.values():
+            if not isinstance(h, FileHandle) or h.inode != entry.inode:
+                continue
+            if h.dirty is not None and h.dirty.fd >= 0:
+                return int(h.dirty.fd)
+            if backing is None and h.file is not None and h.file.fd >= 0:
+                backing = int(h.file.fd)
         if entry.orphan is not None and entry.orphan.fd >= 0:
             return int(entry.orphan.fd)
-        for h in self.handles.handles.values():
-            if isinstance(h, FileHandle) and h.inode == entry.inode and h.file is not None and h.file.fd >= 0:
-                return int(h.file.fd)
-        return None
+        return backing
 
     async def _lstat(self, entry: InodeEntry) -> os.stat_result:
         if entry.path is None:  # unlinked but open: its descriptor knows
@@ -268,7 +275,12 @@ class Operations(pyfuse3.Operations):
     async def _entry_attrs(self, entry: InodeEntry) -> pyfuse3.EntryAttributes:
         if entry.dirty is not None:
             return await self._dirty_attrs(entry, entry.dirty)
-        return self._attrs(entry.inode, await self._lstat(entry))
+        st = await self._lstat(entry)
+        held_dirty = entry.path is None and any(
+            isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
+            for h in self.handles.handles.values())
+        # unlinked but open, answered by a data file: its link is the tier's, no name links it
+        return self._attrs(entry.inode, st, nlink=0 if held_dirty else None)
 
     async def _lookup_path(self, path: bytes) -> pyfuse3.EntryAttributes:
         """Resolve a path of the merged view; one lookup is added to the inode returned."""

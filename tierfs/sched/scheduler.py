@@ -79,7 +79,8 @@ class FetchRequest:
 class IoTask:
     """Any other backing-store transfer (a write-back slice, a write-through write): a blocking
     callable run in the backing device thread when the scheduler picks it. ``position`` places
-    it for the elevator; ``nbytes`` is for statistics."""
+    it for the elevator; ``nbytes`` is for statistics; ``what`` names the file it concerns
+    (a path relative to the backing root) in the BackingIOError of a failure."""
 
     fn: Callable[[], object]
     klass: Klass
@@ -87,6 +88,7 @@ class IoTask:
     position: tuple[tuple[int, int], int]
     nbytes: int
     enqueued_at: float
+    what: bytes | str | None = None
     key: tuple[str, int] = field(default=("", 0))
     state: ReqState = ReqState.QUEUED
     done: trio.Event = field(default_factory=trio.Event)
@@ -199,11 +201,13 @@ class TransactionScheduler:
 
     async def io(self, fn: Callable[[], object], klass: Klass, *, nbytes: int,
                  position: tuple[tuple[int, int], int] = ((0, 0), 0),
-                 deadline: float = math.inf, written: bool = True) -> object:
+                 deadline: float = math.inf, written: bool = True, what: bytes | str | None = None) -> object:
         """Queue a blocking backing-store call ``fn`` in ``klass`` and wait for its result.
-        Raises what ``fn`` raises (an OSError becomes BackingIOError)."""
+        ``what``: the file it concerns (a path relative to the backing root), named in the
+        error. Raises what ``fn`` raises (an OSError becomes BackingIOError naming ``what``)."""
         self._task_ids += 1
-        task = IoTask(fn, klass, deadline, position, nbytes, trio.current_time(), key=("io", self._task_ids))
+        task = IoTask(fn, klass, deadline, position, nbytes, trio.current_time(), what=what,
+                      key=("io", self._task_ids))
         self._queues[klass][task.key] = task
         self._wakeup.set()
         await task.done.wait()
@@ -354,7 +358,11 @@ class TransactionScheduler:
         except BackingIOError as e:
             task.error = e
         except OSError as e:
-            task.error = BackingIOError(str(task.position), e)
+            # the file's name (escaped: a user's name must not forge a log line), never the
+            # elevator position, which tells a reader of the log nothing
+            task.error = BackingIOError("backing root" if task.what in (b"", "") else
+                                        logevents.user_text(task.what) if task.what is not None else
+                                        "a backing-store transfer", e)
         except Exception as e:  # noqa: BLE001 - handed to the waiter, who re-raises it
             task.error = e
         finally:

@@ -34,6 +34,72 @@ def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
     pwrite_all(dst, pread_exact(src, length, offset), offset)
 
 
+def _copy_data(src: int, dst: int, offset: int, end: int, limit: int, durable: bool) -> tuple[int, int]:
+    """Copy the data segments of ``src`` between ``offset`` and ``end`` to the same offsets of
+    ``dst``, at most ``limit`` bytes of data (one slice); holes are skipped (``dst`` was sized
+    first, so they stay holes there: a sparse file stays sparse, and a huge sparse extension
+    costs nothing to copy). Segments come from ``SEEK_DATA``/``SEEK_HOLE``; a filesystem that
+    lacks them makes the whole range data. ``durable``: each piece is pushed to the disk
+    (``sync_file_range``) before this returns. Returns ``(next offset, bytes copied)``; the
+    next offset is ``end`` once nothing is left. Raises OSError."""
+    off, copied = offset, 0
+    while off < end and copied < limit:
+        try:
+            data = os.lseek(src, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from here on
+                return end, copied
+            if e.errno != errno.EINVAL:
+                raise
+            data, hole = off, end  # SEEK_DATA unsupported: all data
+        else:
+            if data >= end:
+                return end, copied
+            hole = os.lseek(src, data, os.SEEK_HOLE)
+        n = min(hole, end, data + limit - copied) - data
+        _copy_range(src, dst, data, n)
+        if durable:
+            sync_range(dst, data, n)
+        copied += n
+        off = data + n
+    return off, copied
+
+
+def _size_tmp(fd: int, size: int, in_place: bool = False) -> None:
+    """Give a write-back's target its final size before the data segments are copied into it,
+    so the holes between them stay holes (EFBIG here: the backing filesystem cannot hold a
+    file that large). ``in_place``: the target holds an older version, whose bytes where the
+    file now has holes must not show through: emptied first."""
+    if in_place:
+        os.ftruncate(fd, 0)
+    os.ftruncate(fd, size)
+
+
+def _allocated(fd: int, size: int) -> int:
+    """Bytes the file ``fd`` occupies (``st_blocks`` * 512), at most its size rounded to 4 KiB
+    blocks: what its write-back will actually copy."""
+    st = os.fstat(fd)
+    return min(st.st_blocks * 512, -(-size // 4096) * 4096)
+
+
+def _probe_size(tree: BackingTree, prefix: bytes, size: int) -> bool:
+    """Whether the backing filesystem holds a file of ``size`` bytes: a fresh empty temporary
+    file in the backing root (``prefix`` + random, ``O_EXCL``) is sized to it (a hole: no
+    space used) and removed. False only on EFBIG (or EINVAL, which some filesystems answer);
+    raises OSError for anything else."""
+    fd, name = tree.create_tmp(b"", prefix)
+    try:
+        os.ftruncate(fd, size)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EFBIG, errno.EINVAL):
+            return False
+        raise
+    finally:
+        os.close(fd)
+        tree.unlink_quiet(name)
+
+
 def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
     """One write-back slice: copy, then push it to the disk within this transaction."""
     _copy_range(src, dst, offset, length)

@@ -52,7 +52,9 @@ from tierfs.sched.scheduler import Klass, TransactionScheduler
 from tierfs.units import format_size
 from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests patch by identity)
     DirTimes,
+    _allocated,
     _commit,
+    _copy_data,
     _copy_range,
     _copy_range_durable,
     _copy_xattrs,
@@ -62,6 +64,7 @@ from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests pa
     _finish_tmp,
     _fsync_lstat,
     _parent,
+    _probe_size,
     _remove_tmp,
     lock_backing,
 )
@@ -73,6 +76,10 @@ TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from
 RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
 BACKING_FREE_TTL_S = 1.0  # how long a read of the backing store's free space is trusted
 TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted file or symlink)
+# Sizes up to this need no check against the backing filesystem's largest file (every
+# filesystem tierfs is meant for holds 4 GiB; FAT32's limit is 4 GiB - 1, close enough: its
+# write-back then fails and is reported).
+PROBE_FROM = 1 << 32
 
 __all__ = ["TMP_PREFIX", "DirtyFile", "DirtyState", "WriteBack", "WriteBackStats", "is_tmp_name"]
 
@@ -222,6 +229,17 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     return fd
 
 
+def _name(df: DirtyFile) -> bytes:
+    """The file a dirty file's backing-store call concerns, for error messages and the log."""
+    return df.path if df.path is not None else b"(unlinked file)"
+
+
+def _one_line(text: str) -> str:
+    """An error's text for one log line: as it is when printable (a BackingIOError's path is
+    escaped already, not twice), else escaped."""
+    return text if text.isprintable() else logevents.user_text(text)
+
+
 def _unlink_quiet(path: bytes | str) -> None:
     try:
         os.unlink(path)
@@ -282,6 +300,9 @@ class WriteBack:
         self.quarantined: list[str] = []  # paths of rows recovery quarantined (all mounts so far)
         self._backing_free = 0
         self._backing_free_at = -math.inf
+        # What probes of the backing filesystem's largest file found (:meth:`_check_file_size`)
+        self._size_ok = PROBE_FROM
+        self._size_too_big = math.inf
 
     # -- lookup ----------------------------------------------------------------------------
     def get(self, path: bytes) -> DirtyFile | None:
@@ -413,9 +434,8 @@ class WriteBack:
         return df
 
     # -- data ------------------------------------------------------------------------------
-    async def _charge(self, df: DirtyFile, new_size: int) -> bool:
-        """Charge the write tier for ``new_size``; False if it cannot hold the file."""
-        need = blocks(new_size) - df.accounted
+    async def _charge(self, df: DirtyFile, need: int) -> bool:
+        """Charge the write tier ``need`` more bytes for ``df``; False if it cannot hold them."""
         if need <= 0:
             return True
         if self.tier.room() < need:
@@ -453,21 +473,59 @@ class WriteBack:
         raise OSError(errno.ENOSPC, msg)
 
     def _uncharge(self, df: DirtyFile, new_size: int) -> None:
-        keep = blocks(new_size)
+        """Charge ``df`` at most what a file of ``new_size`` bytes can occupy."""
+        self._charge_down(df, blocks(new_size))
+
+    def _charge_down(self, df: DirtyFile, keep: int) -> None:
         if keep < df.accounted:
             self.tier.dirty -= df.accounted - keep
             df.accounted = keep
 
-    async def _enter_sized(self, df: DirtyFile, end: int) -> None:
-        """Enter the gate with room for ``end`` bytes: in the write tier, or (switching to
-        write-through first if the tier cannot hold them) on the backing store."""
+    async def _check_file_size(self, df: DirtyFile, end: int) -> None:
+        """Raise OSError(EFBIG) if the backing filesystem cannot hold a file of ``end`` bytes
+        (a sparse truncate or a write far past the end: the write tier may hold it, the write-back
+        never could). Sizes up to PROBE_FROM, and up to the largest one a probe allowed, pass at
+        once; beyond, one probe (:func:`_probe_size`: an empty temporary file sized and removed
+        on the backing store, as DEMAND work) answers for the next power of two, or, if that is
+        too big, for ``end`` itself. A probe that fails otherwise (read-only, EACCES) lets the
+        size pass: the write-back reports it."""
+        if df.through or end <= max(df.size, self._size_ok):
+            return
+        if end < self._size_too_big:
+            sizes = [1 << (end - 1).bit_length(), end]
+        else:
+            sizes = [end]
+        for size in sizes:
+            if size >= self._size_too_big:
+                continue
+            try:
+                ok = await self.sched.io(partial(_probe_size, self.tree, TMP_PREFIX + b"probe.", size),
+                                         Klass.DEMAND, nbytes=0, what=b"")
+            except (OSError, BackingIOError) as e:
+                log.info("cannot probe the backing store's largest file (%s): not checked", e)
+                return
+            if ok:
+                self._size_ok = max(self._size_ok, size)
+                return
+            self._size_too_big = min(self._size_too_big, size)
+        raise OSError(errno.EFBIG, "larger than the backing filesystem's largest file")
+
+    async def _enter_sized(self, df: DirtyFile, end: int, grow: int) -> None:
+        """Enter the gate with room for ``grow`` more bytes (at most: what the operation may
+        newly allocate) in a file of ``end`` bytes: in the write tier, or (switching to
+        write-through first if the tier cannot hold them) on the backing store. Room is counted
+        in allocated bytes, not sizes: a hole costs nothing, in the tier or on the backing store.
+        Raises OSError: ENOSPC (the backing store is full), EFBIG (larger than the backing
+        filesystem's largest file)."""
+        await self._check_file_size(df, end)
         while True:
             if df.excl is not None:
                 await df.excl.wait()
                 continue
-            if not df.through and end > df.size:
-                self._check_backing_room(blocks(end) - df.accounted)
-                if not await self._charge(df, end):
+            need = min(grow, blocks(end) - df.accounted)
+            if not df.through and need > 0:
+                self._check_backing_room(need)
+                if not await self._charge(df, need):
                     await self.to_through(df)
                     continue
             if df.excl is not None:
@@ -479,12 +537,18 @@ class WriteBack:
     async def write(self, df: DirtyFile, offset: int, data: bytes, touch_mtime: bool = True) -> int:
         """Write at ``offset``. Raises OSError(ENOSPC) only if the backing store is full."""
         end = offset + len(data)
-        await self._enter_sized(df, end)
+        # what it may allocate: the blocks it touches (a write into a hole of a sparse file
+        # allocates as much as one past the end)
+        span = blocks(end) - (offset - offset % 4096) if data else 0
+        before = df.accounted
+        await self._enter_sized(df, max(end, df.size), span)
+        recount = df.accounted > before and offset < df.size
         entered = True
         try:
             df.touch()
             if df.through:
-                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
+                                      what=_name(df))
             else:
                 try:
                     await self.data_device.run(pwrite_all, df.fd, data, offset)
@@ -498,9 +562,14 @@ class WriteBack:
                     await self._enter(df)
                     entered = True
                     df.touch()
-                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data))
+                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
+                                      what=_name(df))
             if end > df.size:
                 df.size = end
+            if recount and not df.through:
+                # charged for a range that may have held data already: charge what the file
+                # occupies (fstat of an open fd: no I/O)
+                self._charge_down(df, _allocated(df.fd, df.size))
         finally:
             if entered:
                 self._leave(df)
@@ -516,7 +585,7 @@ class WriteBack:
         size = min(size, df.size - offset)
         if df.through:
             return await self.sched.io(partial(pread_exact, df.fd, size, offset), Klass.DEMAND,  # type: ignore[return-value]
-                                       nbytes=size, written=False)
+                                       nbytes=size, written=False, what=_name(df))
         return await self.data_device.run(pread_exact, df.fd, size, offset)
 
     @_pins_df
@@ -529,14 +598,14 @@ class WriteBack:
         # open(O_TRUNC) right after the last close.
         df.writers += 1
         try:
-            await self._enter_sized(df, size)
+            await self._enter_sized(df, size, 0)  # an extension is a hole: no room needed
         except BaseException:
             df.writers -= 1
             raise
         try:
             df.touch()
             if df.through:
-                await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(os.ftruncate, df.fd, size), Klass.DEMAND, nbytes=0, what=_name(df))
             else:
                 await self.device.run(os.ftruncate, df.fd, size)
                 self._uncharge(df, size)
@@ -614,7 +683,7 @@ class WriteBack:
             try:
                 fd, times = cast("tuple[int, DirTimes]", await self.sched.io(
                     partial(_create_tmp, self.tree, tmp, flags | os.O_CLOEXEC), klass, nbytes=0,
-                    deadline=deadline, position=((0, df.id), 0)))
+                    deadline=deadline, position=((0, df.id), 0), what=tmp))
                 return fd, times
             except (OSError, BackingIOError) as e:
                 if e.errno not in (errno.EEXIST, errno.ELOOP):
@@ -670,11 +739,13 @@ class WriteBack:
             df.touch()
             self.by_path[new_path] = df
             if committed:
-                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(self.tree.rename, old_path, new_path), Klass.DEMAND, nbytes=0,
+                                    what=old_path)
                 self.journal.set_tmp(df.id, None, JState.THROUGH)
             if new_tmp is not None:
                 assert df.tmp is not None
-                await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(self.tree.rename, df.tmp, new_tmp), Klass.DEMAND, nbytes=0,
+                                    what=df.tmp)
                 df.tmp = new_tmp
                 self.journal.set_tmp(df.id, new_tmp, JState.THROUGH)
             return True
@@ -755,7 +826,7 @@ class WriteBack:
         """Durable on the write tier (or, with ``--fsync=backing``, on the backing store)."""
         async with self._gate(df):
             if df.through:
-                await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0)
+                await self.sched.io(partial(os.fsync, df.fd), Klass.DEMAND, nbytes=0, what=_name(df))
             else:
                 await self.device.run(os.fsync, df.fd)
         await trio.to_thread.run_sync(self.journal.sync)  # never on the loop: an fsync
@@ -811,10 +882,12 @@ class WriteBack:
         df.retry_at = trio.current_time() + RETRY_S
         logevents.event(log, logging.WARNING, "writeback-failed",
                         "write-back of %s failed (retrying in %.0fs): %s",
-                        os.fsdecode(df.path or b"?"), RETRY_S, e)
+                        logevents.user_text(_name(df)), RETRY_S, _one_line(str(e)))
         self._notify(df, math.inf)
 
-    def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result) -> None:
+    def _finish_success(self, df: DirtyFile, gen: int, st: os.stat_result, copied: int | None = None) -> None:
+        """``copied``: bytes this write-back moved (a sparse file's data only; default: its size),
+        what the write-back rate is measured in."""
         if df.state is DirtyState.GONE:
             return
         if df.state is DirtyState.WRITING:
@@ -825,7 +898,7 @@ class WriteBack:
         df.durable_gen = gen
         self.written_files += 1
         self.written_bytes += df.size
-        self.device_bytes += df.size
+        self.device_bytes += df.size if copied is None else copied
         self._notify(df, gen)
         if df.gen == gen and df.writers == 0:
             self._mark_clean(df, st)
@@ -848,7 +921,7 @@ class WriteBack:
         timed = _Timed(fn)
         try:
             return await self.sched.io(timed, Klass.DEADLINE, deadline=deadline, nbytes=nbytes,
-                                       position=((0, df.id), 0))
+                                       position=((0, df.id), 0), what=_name(df))
         finally:
             self.device_seconds += timed.seconds
 

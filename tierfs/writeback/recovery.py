@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs.backing_tree import BackingTree
-from tierfs.cache.tier import blocks
 from tierfs.sched.scheduler import Klass
-from tierfs.writeback.backing_ops import _commit
+from tierfs.writeback.backing_ops import _allocated, _commit
 from tierfs.writeback.journal import JournalRow, JState
 from tierfs.writeback.manager import DirtyFile, DirtyState, _unlink_quiet
 
@@ -50,7 +49,8 @@ def _fsync_rel(tree: BackingTree, rel: bytes) -> None:
 
 
 async def _backing(wb: WriteBack, fn, *args):  # type: ignore[no-untyped-def]
-    return await wb.sched.io(partial(fn, *args), Klass.DEMAND, nbytes=0)
+    what = next((a for a in args if isinstance(a, bytes)), None)  # the path it acts on
+    return await wb.sched.io(partial(fn, *args), Klass.DEMAND, nbytes=0, what=what)
 
 
 async def _exists(wb: WriteBack, rel: bytes | None) -> bool:
@@ -118,11 +118,12 @@ async def _recover_row(wb: WriteBack, row: JournalRow) -> str | None:
         return "its data file in the write tier is gone"
     fd = await wb._reopen_data(data_path)
     size = os.fstat(fd).st_size
+    allocated = _allocated(fd, size)  # a sparse file's holes cost nothing
     due = trio.current_time() + wb.deadline_s
     df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
                    deadline=due, due=due, in_place=row.in_place, state=DirtyState.DIRTY)
-    wb.tier.dirty += blocks(size)
-    df.accounted = blocks(size)
+    wb.tier.dirty += allocated
+    df.accounted = allocated
     wb.files[row.id] = df
     wb.by_path[row.path] = df
     return None

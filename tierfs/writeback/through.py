@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, cast
 from tierfs import logevents
 from tierfs.errors import TierfsError
 from tierfs.sched.scheduler import Klass
-from tierfs.writeback.backing_ops import _commit, _copy_range, _finish_attrs_only, _fsync_lstat
+from tierfs.writeback.backing_ops import (
+    _commit,
+    _copy_data,
+    _finish_attrs_only,
+    _fsync_lstat,
+    _size_tmp,
+)
 from tierfs.writeback.journal import JState
 from tierfs.writeback.manager import DirtyState, _unlink_quiet, log
 
@@ -78,14 +84,16 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         # (``df.tmp`` from here on: rename_dir keeps it right if the directory moves)
         out, dir_times = await wb.create_tmp(df, JState.TO_THROUGH, os.O_RDWR, Klass.DEMAND)
         _step("to-through:created")
+        # sized first, then only the data segments copied: a sparse file stays sparse
+        await wb.sched.io(partial(_size_tmp, out, df.size), Klass.DEMAND, nbytes=0, what=df.tmp)
         off = 0
         while off < df.size:
-            n = min(wb.slice_size, df.size - off)
-            await wb.sched.io(partial(_copy_range, df.fd, out, off, n), Klass.DEMAND, nbytes=n)
-            off += n
+            off, _ = cast("tuple[int, int]", await wb.sched.io(
+                partial(_copy_data, df.fd, out, off, df.size, wb.slice_size, False),
+                Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off), what=df.tmp))
             _step("to-through:copying")
         await wb.device.run(_finish_attrs_only, out, df.fd)
-        await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0)
+        await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0, what=df.tmp)
         wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
         if out >= 0:

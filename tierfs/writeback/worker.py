@@ -19,11 +19,13 @@ import trio
 from tierfs.errors import TierfsError
 from tierfs.sched.scheduler import Klass
 from tierfs.writeback.backing_ops import (
+    _allocated,
     _commit,
-    _copy_range_durable,
+    _copy_data,
     _finish_in_place,
     _finish_tmp,
     _parent,
+    _size_tmp,
 )
 from tierfs.writeback.journal import JState
 from tierfs.writeback.manager import RETRY_S, DirtyFile, DirtyState, _Abort, _pins_df
@@ -89,6 +91,7 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
     tmp_dir = b""
     st: os.stat_result | None = None
     dir_times = None
+    copied = 0
     try:
         if df.durable_gen >= gen:
             # Written back while still open (a flush); closed since, unchanged: it is
@@ -99,7 +102,7 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
                 wb._check(df, gen)
             st = st0
         elif df.in_place:
-            st = await _write_in_place(wb, df, gen)
+            st, copied = await _write_in_place(wb, df, gen)
         else:
             assert df.path is not None
             tmp_dir = _parent(df.path)
@@ -110,7 +113,7 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
             # (``df.tmp`` from here on: a rename of its directory moves it, and rename_dir
             # updates it)
             try:
-                await _copy_slices(wb, df, gen, out)
+                copied = await _copy_slices(wb, df, gen, out)
                 wb._check(df, gen)
             except BaseException:
                 os.close(out)
@@ -146,30 +149,39 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
                 wb._writing_in.pop(tmp_dir, None)
             settled.set()
     if st is not None:
-        wb._finish_success(df, gen, st)
+        wb._finish_success(df, gen, st, copied)
 
 
-async def _copy_slices(wb: WriteBack, df: DirtyFile, gen: int, out: int) -> None:
-    """Copy generation ``gen`` of ``df`` to ``out`` on the backing store, one scheduler
-    transaction per slice (each pushed to the disk before the next is picked); raises
-    _Abort as soon as the file changes or is unlinked."""
-    off = 0
-    while off < df.size:
+async def _copy_slices(wb: WriteBack, df: DirtyFile, gen: int, out: int, in_place: bool = False) -> int:
+    """Copy generation ``gen`` of ``df`` to ``out`` on the backing store: ``out`` is sized
+    first, then only the data segments are copied (holes stay holes: a sparse file stays
+    sparse and costs only its data), one scheduler transaction per slice of at most
+    ``slice_size`` bytes of data (each pushed to the disk before the next is picked). Returns
+    the bytes copied; raises _Abort as soon as the file changes or is unlinked, OSError (EFBIG:
+    the backing filesystem cannot hold a file that large)."""
+    size = df.size
+    await wb._io(df, partial(_size_tmp, out, size, in_place), 0)
+    remaining = _allocated(df.fd, size)  # fstat of an open fd: no I/O
+    off = copied = 0
+    while off < size:
         wb._check(df, gen)
-        n = min(wb.slice_size, df.size - off)
-        await wb._io(df, partial(_copy_range_durable, df.fd, out, off, n), n,
-                       remaining=df.size - off)
-        off += n
+        n = min(wb.slice_size, max(remaining, 1))
+        off, done = cast("tuple[int, int]", await wb._io(
+            df, partial(_copy_data, df.fd, out, off, size, wb.slice_size, True), n,
+            remaining=max(remaining, 1)))
+        copied += done
+        remaining = max(0, remaining - done)
+    return copied
 
 
-async def _write_in_place(wb: WriteBack, df: DirtyFile, gen: int) -> os.stat_result:
+async def _write_in_place(wb: WriteBack, df: DirtyFile, gen: int) -> tuple[os.stat_result, int]:
     assert df.path is not None
     # never follows a symlink planted under the file's name
     out = cast("int", await wb._io(df, partial(wb.tree.open, df.path, os.O_WRONLY), 0))
     try:
-        await _copy_slices(wb, df, gen, out)
+        copied = await _copy_slices(wb, df, gen, out, in_place=True)
         st = await wb._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
     finally:
         os.close(out)
-    return st  # type: ignore[return-value]
+    return cast("os.stat_result", st), copied
 

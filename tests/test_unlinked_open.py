@@ -1,0 +1,74 @@
+"""An unlinked file that is still open answers ``getattr`` (``fstat``) from what its handle
+reads, also when it was opened while dirty and its write-back finished before the unlink
+(pjdfstest unlink/14.t: ENOENT 6-7 times in 100)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import needs_fuse, tierfs_cmd
+from tests.test_writeback_inprocess import Disks, instance, write_file
+from tierfs.fs.handles import FileHandle
+from tierfs.fs.inodes import ROOT, InodeTable
+from tierfs.fs.operations import Operations
+from tierfs.io import Device
+
+
+async def test_getattr_after_unlink_when_write_back_finished_first(tmp_path: Path) -> None:
+    """Driven in-process, in the order that failed: the file is opened read-only while dirty
+    (the handle reads its data file), and its write-back completes after the unlink began but
+    before the unlink decided (it then finds the file clean and removes the backing file)."""
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, deadline_s=3600) as wb:
+        await write_file(wb, b"f", b"hello")  # created, written, closed: dirty
+        df = wb.get(b"f")
+        assert df is not None
+        inodes = InodeTable(wb.tree)
+        ops = Operations(tree=wb.tree, inodes=inodes, cache=SimpleNamespace(), writeback=wb,  # type: ignore[arg-type]
+                         readahead=SimpleNamespace(), control=SimpleNamespace(by_inode={}),  # type: ignore[arg-type]
+                         meta=Device("meta", 2),
+                         attr_timeout=1.0)
+        entry = inodes.remember_dirty(b"f", df)  # looked up ...
+        ops.handles.add(FileHandle(inode=entry.inode, dirty=df))  # ... and opened read-only
+        wb.opened(df, False)
+        real_unlink = wb.unlink
+
+        async def unlink_after_write_back(d):  # type: ignore[no-untyped-def]
+            await wb.wait_durable([d], timeout=30)  # the write-back finishes first
+            assert d.state.value == "clean" and wb.statistics().dirty_files == 0
+            return await real_unlink(d)
+
+        wb.unlink = unlink_after_write_back  # type: ignore[method-assign]
+        await ops.unlink(ROOT, b"f", None)
+        assert not (disks.back / "f").exists()
+        attrs = await ops.getattr(entry.inode)  # used to raise ENOENT
+        assert attrs.st_size == 5
+        assert attrs.st_nlink == 0
+        await wb.closed(df, False)
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_fstat_after_unlink_of_file_opened_dirty_then_written_back(tiermount, tmp_path: Path) -> None:
+    """The same through a mount, with the write-back done before the unlink is asked."""
+    m = tiermount(ram="16MiB", extra=("-o", "writeback_deadline=3600"))
+    f = m.mnt / "f"
+    f.write_bytes(b"hello")  # created, written, closed: dirty (written back only when asked)
+    fd = os.open(f, os.O_RDONLY)  # opened while dirty: the handle reads the data file
+    try:
+        assert m.stats()["writeback"]["dirty_files"] == 1
+        tierfs_cmd("flush", str(m.mnt))
+        assert m.stats()["writeback"]["dirty_files"] == 0
+        assert (tmp_path / "back" / "f").read_bytes() == b"hello"
+        os.unlink(f)
+        st = os.fstat(fd)
+        assert st.st_size == 5
+        assert st.st_nlink == 0
+        assert os.pread(fd, 10, 0) == b"hello"
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "back" / "f").exists()

@@ -1,0 +1,86 @@
+"""Sparse files through the write path: a truncate that extends a file (or a write far past its
+end) costs no space in the write tier or on the backing store, is never refused for want of
+room it does not need, and is written back sparse - only the data segments are copied."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_fuse, tierfs_cmd, tmpfs
+
+pytestmark = [needs_fuse, pytest.mark.fuse]
+MiB = 1 << 20
+HUGE = 999_999_999_999_999  # pjdfstest truncate/12.t, ftruncate/12.t
+
+
+def test_huge_sparse_truncate_on_small_backing_store(tiermount, tmp_path: Path) -> None:
+    """pjdfstest (f)truncate/12.t on a backing store with little room: the extension is a hole,
+    so it needs no room anywhere (it used to answer ENOSPC: the size was counted as bytes to
+    write back). A tmpfs holds a file that large: the truncate succeeds and is written back
+    as a hole, at once."""
+    with tmpfs(tmp_path / "back", "16m") as back:
+        m = tiermount(ram="8MiB", backing=back)
+        try:
+            f = m.mnt / "f"
+            f.write_bytes(b"head")
+            os.truncate(f, HUGE)
+            assert os.stat(f).st_size == HUGE
+            with open(f, "r+b") as fh:  # ftruncate/12.t: the same through a descriptor
+                os.ftruncate(fh.fileno(), HUGE + 1)
+            tierfs_cmd("flush", str(m.mnt), timeout=60)  # a dense copy would never finish
+            st = os.stat(back / "f")
+            assert st.st_size == HUGE + 1
+            assert st.st_blocks * 512 < MiB
+            with open(back / "f", "rb") as fh:
+                assert fh.read(4) == b"head"
+            assert m.stats()["writeback"]["failures"] == 0
+        finally:
+            m.stop()
+
+
+def test_sparse_file_written_back_sparse(tiermount, tmp_path: Path) -> None:
+    """Data segments at both ends of a 1 TiB file (larger than the backing store's free space,
+    smaller than ext4's largest file): accepted, written back with its hole, the data intact."""
+    m = tiermount(ram="64MiB", ssd="64MiB")
+    f = m.mnt / "sparse"
+    a, b = os.urandom(MiB + 17), os.urandom(3 * MiB)
+    far = (1 << 40) - len(b)
+    with open(f, "wb") as fh:
+        fh.write(a)
+        fh.seek(far)
+        fh.write(b)
+    assert os.stat(f).st_size == 1 << 40
+    tierfs_cmd("flush", str(m.mnt), timeout=60)
+    back = tmp_path / "back" / "sparse"
+    st = os.stat(back)
+    assert st.st_size == 1 << 40
+    assert st.st_blocks * 512 < 16 * MiB
+    with open(back, "rb") as fh:
+        assert fh.read(len(a)) == a
+        assert os.pread(fh.fileno(), 4096, len(a) + 12345) == b"\0" * 4096
+        assert os.pread(fh.fileno(), len(b), far) == b
+    assert m.stats()["writeback"]["failures"] == 0
+
+
+def test_truncate_past_backing_max_file_size(tiermount, tmp_path: Path) -> None:
+    """On an ext4 backing store (largest file 16 TiB) a truncate to ~909 TiB answers EFBIG at
+    once, as ext4 itself does, never ENOSPC; and never leaves a file that cannot be written
+    back."""
+    m = tiermount(ram="8MiB")
+    f = m.mnt / "f"
+    f.write_bytes(b"x")
+    try:
+        os.truncate(f, HUGE)
+    except OSError as e:
+        assert e.errno in (errno.EFBIG, errno.EINVAL), e
+    else:  # the backing filesystem holds it after all: then it must be written back
+        tierfs_cmd("flush", str(m.mnt), timeout=60)
+        assert os.stat(tmp_path / "back" / "f").st_size == HUGE
+    assert os.stat(f).st_size in (1, HUGE)
+    tierfs_cmd("flush", str(m.mnt), timeout=60)
+    assert m.stats()["writeback"]["failures"] == 0
+    assert os.stat(tmp_path / "back" / "f").st_size == os.stat(f).st_size
