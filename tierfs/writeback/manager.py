@@ -73,6 +73,7 @@ from tierfs.writeback.state import DirtyState, check_move
 
 log = logging.getLogger("tierfs.writeback")
 TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from readdir
+BIG_UNLINK_BYTES = 64 << 20  # data files from this size are removed in a device thread (see _remove_data)
 RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
 BACKING_FREE_TTL_S = 1.0  # how long a read of the backing store's free space is trusted
 TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted file or symlink)
@@ -151,9 +152,18 @@ def _pins_df(fn):  # type: ignore[no-untyped-def]
             if df.pins == 0:
                 _close_retired(df)
                 if df.close_pending:
-                    _close_released(df)
+                    _close_released(df, self._remove_data)
 
     return wrapper
+
+
+def _drain(receive: trio.MemoryReceiveChannel[str]) -> list[str]:
+    out = []
+    while True:
+        try:
+            out.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return out
 
 
 def _close_retired(df: DirtyFile) -> None:
@@ -161,8 +171,9 @@ def _close_retired(df: DirtyFile) -> None:
         os.close(df.retired_fds.pop())
 
 
-def _close_released(df: DirtyFile) -> None:
-    """Close and remove the data of a released dirty file (called once nobody uses it)."""
+def _close_released(df: DirtyFile, remove: Callable[[str, int], None]) -> None:
+    """Close and remove the data of a released dirty file (called once nobody uses it);
+    ``remove(data_path, size)`` removes the data file (:meth:`WriteBack._remove_data`)."""
     df.close_pending = False
     _close_retired(df)
     if df.fd >= 0:
@@ -171,7 +182,7 @@ def _close_released(df: DirtyFile) -> None:
     if df.through and df.tmp is not None and df.path is None:
         return  # an unlinked write-through file: its temporary file is removed by _discard
     if not df.through:
-        _unlink_quiet(df.data_path)  # an unlink in the write tier: metadata only
+        remove(df.data_path, df.size)
 
 
 class _Timed:
@@ -269,6 +280,7 @@ class WriteBack:
         self._own_tree = tree is None
         self.tree = tree if tree is not None else BackingTree(backing_root)
         self._lock_fd = lock_backing(self.tree)
+        self._removals: trio.MemorySendChannel[str] | None = None  # set while run() runs
         self.tier = tier
         self.tier_index = tier_index
         self.device = device
@@ -791,7 +803,7 @@ class WriteBack:
         if df.pins:
             df.close_pending = True  # closed when the last user is done
         else:
-            _close_released(df)
+            _close_released(df, self._remove_data)
         with contextlib.suppress(OSError):
             self.journal.remove(df.id)
         self._notify(df, math.inf)
@@ -874,7 +886,17 @@ class WriteBack:
         """The write-back worker (:func:`tierfs.writeback.worker.run`)."""
         from tierfs.writeback.worker import run
 
-        await run(self, task_status=task_status)
+        # unbounded: one short path per released file, each removed within a device call
+        send, receive = trio.open_memory_channel[str](math.inf)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._remover, receive)
+            self._removals = send
+            try:
+                await run(self, task_status=task_status)
+            finally:
+                self._removals = None
+                for data_path in _drain(receive):  # shutdown: what is left, inline
+                    _unlink_quiet(data_path)
 
     def _failed(self, df: DirtyFile, e: BaseException) -> None:
         self.failures += 1
@@ -954,7 +976,21 @@ class WriteBack:
         if df.pins:
             df.close_pending = True  # closed when the last user is done
         else:
-            _close_released(df)
+            _close_released(df, self._remove_data)
+
+    def _remove_data(self, data_path: str, size: int) -> None:
+        """Remove a released data file: inline when small, else in the tier's device thread.
+        The unlink frees the file's blocks then and there: for a 1 GiB file that held the
+        event loop 51-89 ms (test_umount_does_not_wait_for_writeback under the loop watch);
+        under ``BIG_UNLINK_BYTES`` it costs well under a millisecond."""
+        if size < BIG_UNLINK_BYTES or self._removals is None:
+            _unlink_quiet(data_path)
+        else:
+            self._removals.send_nowait(data_path)
+
+    async def _remover(self, receive: trio.MemoryReceiveChannel[str]) -> None:
+        async for data_path in receive:
+            await self.device.run(_unlink_quiet, data_path)
 
     # -- recovery --------------------------------------------------------------------------
     async def _reopen_data(self, data_path: str) -> int:
