@@ -28,6 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import overload
 
 ChunkId = tuple[str, int]  # (file identity key, chunk index); same as tierfs.cache.policy
@@ -68,8 +69,8 @@ class FileTable(Sequence[PlannedFile]):
     __slots__ = ("paths", "keys", "sizes", "firsts", "counts")
 
     def __init__(self, files: Iterable[PlannedFile] = ()) -> None:
-        self.paths: list[bytes] = []
-        self.keys: list[str] = []
+        self.paths: list[bytes] | tuple[bytes, ...] = []
+        self.keys: list[str] | tuple[str, ...] = []
         self.sizes = array("q")
         self.firsts = array("q")
         self.counts = array("q")
@@ -77,6 +78,8 @@ class FileTable(Sequence[PlannedFile]):
             self.add(f.path, f.key, f.size, f.first, f.count)
 
     def add(self, path: bytes, key: str, size: int, first: int, count: int) -> None:
+        """Append a file (not after :meth:`seal`)."""
+        assert isinstance(self.paths, list) and isinstance(self.keys, list), "sealed"
         self.paths.append(path)
         self.keys.append(key)
         self.sizes.append(size)
@@ -95,9 +98,15 @@ class FileTable(Sequence[PlannedFile]):
             return [self[k] for k in range(*j.indices(len(self)))]
         return PlannedFile(self.paths[j], self.keys[j], self.sizes[j], self.firsts[j], self.counts[j])
 
+    def seal(self) -> None:
+        """No more changes: the path and key columns become tuples (see Need.__post_init__)."""
+        self.paths = tuple(self.paths)
+        self.keys = tuple(self.keys)
+
     def cut(self, n: int) -> None:
         """Keep the chunks ``[0, n)`` only: drop the files starting at or after ``n`` and
         shorten the last one."""
+        assert isinstance(self.paths, list) and isinstance(self.keys, list), "sealed"
         keep = bisect_left(self.firsts, n)
         for col in (self.paths, self.keys, self.sizes, self.firsts, self.counts):
             del col[keep:]
@@ -113,7 +122,7 @@ class Need:
     id: str
     label: str
     source: str
-    chunks: list[ChunkId]
+    chunks: Sequence[ChunkId]  # kept as a tuple (see __post_init__)
     sizes: array  # type: ignore[type-arg]
     files: FileTable  # (a list of PlannedFile is taken and converted)
     deadline: float
@@ -135,6 +144,11 @@ class Need:
     def __post_init__(self) -> None:
         if not isinstance(self.files, FileTable):
             self.files = FileTable(self.files)
+        # Tuples of untracked objects: the collector untracks them at its next pass and full
+        # collections then skip them, where a list is visited element by element every time
+        # (~20 ms per full collection for a need of 500 000 items, half of it these lists).
+        self.chunks = tuple(self.chunks)
+        self.files.seal()
         if not self.consumed:
             self.consumed = bytearray(len(self.chunks))
         if self.total_bytes < 0:
@@ -151,7 +165,7 @@ class Need:
         fully read): only its summary stays for late progress queries. A need of 1 M chunks
         holds ~150 MB; the plan keeps the last 1000 removed needs."""
         self.shed = True
-        self.chunks = []
+        self.chunks = ()
         self.sizes = array("q")
         self.files = FileTable()
         self.consumed = bytearray()
@@ -450,9 +464,7 @@ class HintPlan:
         declared = consumed = 0
         for need in self.needs.values():
             declared += need.total_bytes
-            for i, size in enumerate(need.sizes):
-                if need.consumed[i]:
-                    consumed += size
+            consumed += sum(compress(need.sizes, need.consumed))  # (in C: ~0.5 ms per 100 000 chunks)
         return PlanStats(
             needs=len(self.needs), declared_bytes=declared, consumed_bytes=consumed,
             released_chunks=len(self.released), deadline_misses=self.deadline_misses,
