@@ -41,9 +41,13 @@ SWEEP_INLINE = 4096  # a removed need of at most this many chunks is swept out a
 # does not track (str, bytes, int, bytearray, tuples of those), or columns of them; only a few
 # containers per need are tracked. A full (generation 2) collection visits every tracked object
 # and runs inside whatever task step allocated, on the event loop: with one tracked record per
-# file and per chunk occurrence, 100 000 hinted paths made 400 000 tracked objects and full
-# collections of 50-110 ms (over the 50 ms loop bound, docs/concurrency.md). Note that
-# ``array.array`` *is* tracked (Python >= 3.10), so the occurrence index packs into bytearrays.
+# file and per chunk occurrence, 100 000 hinted paths made 425 000 tracked objects and full
+# collections of up to 112 ms (over the 50 ms loop bound); now 25 500 (the idle daemon's 24 900)
+# and no full collection while the plan is built. Chosen over gc.freeze() (collections during
+# the build remain; cycles among frozen objects are never freed) and gc.set_threshold (fewer
+# collections, each as long): docs/concurrency.md, "Large hint plans and the garbage
+# collector". Note that ``array.array`` *is* tracked (Python >= 3.10): one object per column
+# is fine, one per chunk is not, so the occurrence index packs into bytearrays.
 _OCC = struct.Struct("=qq")  # one occurrence in HintPlan._occ: (need seq, index in its chunk list)
 _SEQ = struct.Struct("=q")
 
