@@ -3,6 +3,7 @@ HintService on trio's mock clock (deadline projection and misses), and the polic
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -280,3 +281,34 @@ def test_orders_of_equal_deadline_interleave_by_distance_from_their_readers() ->
     assert w0.cursor == 3
     assert plan.next_use(("a", 3)) < plan.next_use(("b", 1))  # w0's reader is further along
     assert w1.cursor == 0
+
+
+async def test_a_large_plan_adds_no_objects_for_the_garbage_collector(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """A need of 20 000 hinted paths (20 files, each named 1000 times) and the same as an epoch
+    order leave the collector's tracked objects almost where they were: a full collection runs
+    on the event loop and visits each of them (100 000 paths made 400 000: 50-110 ms, over the
+    loop bound, docs/concurrency.md). Counts objects, not time; fails with a record per path or
+    per chunk occurrence (PlannedFile, (Need, index) tuples, lists per chunk)."""
+    backing = tmp_path / "back"
+    backing.mkdir()
+    for i in range(20):
+        (backing / f"f{i}").write_bytes(bytes(2 * CS))
+    plan = HintPlan()
+    sched = TransactionScheduler(SlowBacking().read, chunk_size=CS, slice_size=CS)
+    dev = Device("t", 1, inline_under=math.inf)
+    cache = Cache([Tier("ram", str(tmp_path / "ram"), 64 * CS, inline=True)], [dev],
+                  Policy("nothrash", 1000, plan=plan), sched, chunk_size=CS, staging_bytes=4 * CS)
+    hints = HintService(cache=cache, scheduler=sched, backing_root=str(backing).encode(), meta=dev,
+                        chunk_size=CS, write_tier=0, budget=0, pace=False)
+    order = [f"f{i % 20}" for i in range(20_000)]
+    gc.collect()
+    before = len(gc.get_objects())
+    need = await hints.handle({"op": "need", "items": order})
+    epoch = await hints.handle({"op": "epoch", "paths": order})
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert need["bytes"] == epoch["bytes"] == 20 * 2 * CS
+    assert sum(len(n.chunks) for n in plan.needs.values()) == 2 * 40_000
+    assert added < 1000, f"{added} more objects tracked by the garbage collector"
+    hints.close()
+    cache.close()

@@ -26,11 +26,13 @@ Metrics per (trace, policy): ``hit_ratio`` (chunk reads that found the chunk in 
 staging, i.e. did not wait for the backing store), ``backing_bytes`` (read from the backing
 store), ``deadline_misses`` (reads of a phase that has a deadline which did not hit),
 ``data_wait_s`` (simulated seconds the jobs spent waiting for data rather than computing).
-Deterministic: fixed seeds, and trio's scheduling shuffle is seeded.
+Deterministic: fixed seeds, trio's scheduling shuffle is seeded, and the cyclic garbage collector
+is off during each run (see :func:`run_trace`).
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import os
@@ -349,7 +351,17 @@ def run_trace(trace: Trace, policies: tuple[str, ...] = POLICIES) -> dict[str, d
                 continue
             trio._core._run._r.seed(0)  # type: ignore[attr-defined]  # trio shuffles ready tasks
             clock = trio.testing.MockClock(autojump_threshold=0)
-            results[policy] = trio.run(_run_policy, trace, policy, root, clock=clock)
+            # Without the cyclic collector during a run: trio expires cancel scopes of equal
+            # deadline (common on the mock clock) in order of id(), their memory address, and
+            # where an object lands depends on what a collection freed before. With it on, the
+            # table changed when nothing but the collector's timing did (gc.set_threshold(700,
+            # 10, 5) or (900, 10, 10), or code allocating fewer tracked objects).
+            gc.collect()
+            gc.disable()
+            try:
+                results[policy] = trio.run(_run_policy, trace, policy, root, clock=clock)
+            finally:
+                gc.enable()
     return results
 
 

@@ -22,16 +22,34 @@ by the policy simulator (``tierfs sim``).
 from __future__ import annotations
 
 import math
+import struct
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from typing import overload
 
 ChunkId = tuple[str, int]  # (file identity key, chunk index); same as tierfs.cache.policy
 Rank = tuple[float, int, int, int]
 
 EXPIRE_AFTER_S = 600.0  # a need whose deadline passed this long ago is dropped from the plan
 SWEEP_INLINE = 4096  # a removed need of at most this many chunks is swept out at once (~2 ms)
+
+# Records of the plan kept per chunk and per file are of types Python's cyclic garbage collector
+# does not track (str, bytes, int, bytearray, tuples of those), or columns of them; only a few
+# containers per need are tracked. A full (generation 2) collection visits every tracked object
+# and runs inside whatever task step allocated, on the event loop: with one tracked record per
+# file and per chunk occurrence, 100 000 hinted paths made 425 000 tracked objects and full
+# collections of up to 112 ms (over the 50 ms loop bound); now 25 500 (the idle daemon's 24 900)
+# and no full collection while the plan is built. Chosen over gc.freeze() (collections during
+# the build remain; cycles among frozen objects are never freed) and gc.set_threshold (fewer
+# collections, each as long): docs/concurrency.md, "Large hint plans and the garbage
+# collector". Note that ``array.array`` *is* tracked (Python >= 3.10): one object per column
+# is fine, one per chunk is not, so the occurrence index packs into bytearrays.
+_OCC = struct.Struct("=qq")  # one occurrence in HintPlan._occ: (need seq, index in its chunk list)
+_SEQ = struct.Struct("=q")
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,60 @@ class PlannedFile:
     count: int
 
 
+class FileTable(Sequence[PlannedFile]):
+    """A need's files in columns (a :class:`PlannedFile` is made on access): one per hinted
+    path, and a need may name 500 000 of them; as columns of bytes, str and ints they are five
+    objects for the garbage collector to visit, not one per file (see ``_OCC``'s comment).
+    ``firsts`` ascends (a file of no chunks is never added)."""
+
+    __slots__ = ("paths", "keys", "sizes", "firsts", "counts")
+
+    def __init__(self, files: Iterable[PlannedFile] = ()) -> None:
+        self.paths: list[bytes] | tuple[bytes, ...] = []
+        self.keys: list[str] | tuple[str, ...] = []
+        self.sizes = array("q")
+        self.firsts = array("q")
+        self.counts = array("q")
+        for f in files:
+            self.add(f.path, f.key, f.size, f.first, f.count)
+
+    def add(self, path: bytes, key: str, size: int, first: int, count: int) -> None:
+        """Append a file (not after :meth:`seal`)."""
+        assert isinstance(self.paths, list) and isinstance(self.keys, list), "sealed"
+        self.paths.append(path)
+        self.keys.append(key)
+        self.sizes.append(size)
+        self.firsts.append(first)
+        self.counts.append(count)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @overload
+    def __getitem__(self, j: int) -> PlannedFile: ...
+    @overload
+    def __getitem__(self, j: slice) -> list[PlannedFile]: ...
+    def __getitem__(self, j: int | slice) -> PlannedFile | list[PlannedFile]:
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        return PlannedFile(self.paths[j], self.keys[j], self.sizes[j], self.firsts[j], self.counts[j])
+
+    def seal(self) -> None:
+        """No more changes: the path and key columns become tuples (see Need.__post_init__)."""
+        self.paths = tuple(self.paths)
+        self.keys = tuple(self.keys)
+
+    def cut(self, n: int) -> None:
+        """Keep the chunks ``[0, n)`` only: drop the files starting at or after ``n`` and
+        shorten the last one."""
+        assert isinstance(self.paths, list) and isinstance(self.keys, list), "sealed"
+        keep = bisect_left(self.firsts, n)
+        for col in (self.paths, self.keys, self.sizes, self.firsts, self.counts):
+            del col[keep:]
+        if keep and self.firsts[-1] + self.counts[-1] > n:
+            self.counts[-1] = n - self.firsts[-1]
+
+
 @dataclass(eq=False)
 class Need:
     """Declared future reads. ``chunks[i]`` is read before ``chunks[i+1]``; ``sizes[i]`` its
@@ -54,9 +126,9 @@ class Need:
     id: str
     label: str
     source: str
-    chunks: list[ChunkId]
+    chunks: Sequence[ChunkId]  # kept as a tuple (see __post_init__)
     sizes: array  # type: ignore[type-arg]
-    files: list[PlannedFile]
+    files: FileTable  # (a list of PlannedFile is taken and converted)
     deadline: float
     priority: int
     created: float
@@ -74,6 +146,13 @@ class Need:
     swept: int = 0  # chunks of it swept so far
 
     def __post_init__(self) -> None:
+        if not isinstance(self.files, FileTable):
+            self.files = FileTable(self.files)
+        # Tuples of untracked objects: the collector untracks them at its next pass and full
+        # collections then skip them, where a list is visited element by element every time
+        # (~20 ms per full collection for a need of 500 000 items, half of it these lists).
+        self.chunks = tuple(self.chunks)
+        self.files.seal()
         if not self.consumed:
             self.consumed = bytearray(len(self.chunks))
         if self.total_bytes < 0:
@@ -90,9 +169,9 @@ class Need:
         fully read): only its summary stays for late progress queries. A need of 1 M chunks
         holds ~150 MB; the plan keeps the last 1000 removed needs."""
         self.shed = True
-        self.chunks = []
+        self.chunks = ()
         self.sizes = array("q")
-        self.files = []
+        self.files = FileTable()
         self.consumed = bytearray()
         self.cursor = 0
 
@@ -113,14 +192,8 @@ class Need:
         return (self.deadline, -self.priority, i - self.cursor, self.seq)
 
     def file_of(self, i: int) -> PlannedFile:
-        lo, hi = 0, len(self.files) - 1
-        while lo < hi:  # the last file whose first chunk is at or before i
-            mid = (lo + hi + 1) // 2
-            if self.files[mid].first <= i:
-                lo = mid
-            else:
-                hi = mid - 1
-        return self.files[lo]
+        """The file of chunk ``i``: the last one whose first chunk is at or before ``i``."""
+        return self.files[max(0, bisect_right(self.files.firsts, i) - 1)]
 
 
 @dataclass
@@ -135,12 +208,22 @@ class PlanStats:
     at_risk: int
 
 
+def _has_seq(occ: bytearray, seq: bytes) -> bool:
+    """Whether packed occurrences ``occ`` (``_OCC``) include one of the need of packed ``seq``."""
+    k = occ.find(seq)
+    while k >= 0 and k % _OCC.size:  # a match across two fields: look on
+        k = occ.find(seq, k + 1)
+    return k >= 0
+
+
 class HintPlan:
     """All live needs and released chunks. See the module docstring."""
 
     def __init__(self) -> None:
         self.needs: dict[str, Need] = {}
-        self._occ: dict[ChunkId, list[tuple[Need, int]]] = {}
+        # chunk -> its occurrences in needs, packed (_OCC: need seq, index), in indexing order
+        self._occ: dict[ChunkId, bytearray] = {}
+        self._by_seq: dict[int, Need] = {}  # needs that may have occurrences in _occ (live or being swept)
         self.released: OrderedDict[ChunkId, None] = OrderedDict()
         self._seq = 0
         self.version = 0  # bumped whenever the timeline changes
@@ -180,6 +263,7 @@ class HintPlan:
         self._seq += 1
         need.seq = self._seq
         self.needs[need.id] = need
+        self._by_seq[need.seq] = need
         if index:
             self.index(need, 0, len(need.chunks))
         self.version += 1
@@ -193,9 +277,16 @@ class HintPlan:
         occ = self._occ
         released = self.released
         chunks = need.chunks
+        pack = _OCC.pack
+        seq = need.seq
         for i in range(lo, min(hi, len(chunks))):
             cid = chunks[i]
-            occ.setdefault(cid, []).append((need, i))
+            packed = pack(seq, i)
+            have = occ.get(cid)
+            if have is None:
+                occ[cid] = bytearray(packed)
+            else:
+                have += packed
             if released:
                 released.pop(cid, None)  # needed again: no longer "evict first"
         self.version += 1
@@ -234,17 +325,23 @@ class HintPlan:
             chunks = need.chunks
             end = min(len(chunks), need.swept + budget)
             occ_map = self._occ
+            mine = _SEQ.pack(need.seq)
             for j in range(need.swept, end):
                 occ = occ_map.get(chunks[j])
-                if occ is None:
+                if occ is None or not _has_seq(occ, mine):  # (a chunk the need reads often: done at its first)
                     continue
-                occ[:] = [o for o in occ if o[0] is not need]
-                if not occ:
+                step = _OCC.size
+                kept = bytearray().join(occ[k:k + step] for k in range(0, len(occ), step)
+                                        if occ[k:k + _SEQ.size] != mine)
+                if kept:
+                    occ_map[chunks[j]] = kept
+                else:
                     del occ_map[chunks[j]]
             budget -= end - need.swept
             need.swept = end
             if end >= len(chunks):
                 self._dead.popleft()
+                del self._by_seq[need.seq]
                 need.shed_lists()
         return bool(self._dead)
 
@@ -259,10 +356,14 @@ class HintPlan:
         """These chunks are not needed again soon: evicted before anything else. Their
         unread occurrences in needs are dropped."""
         n = 0
+        by_seq = self._by_seq
         for cid in cids:
-            for need, i in self._occ.pop(cid, []):
-                if not need.removed:
-                    need.consumed[i] = 1
+            occ = self._occ.pop(cid, None)
+            if occ is not None:
+                for seq, i in _OCC.iter_unpack(occ):
+                    need = by_seq[seq]
+                    if not need.removed:
+                        need.consumed[i] = 1
             self.released[cid] = None
             n += 1
         self.version += 1
@@ -279,7 +380,9 @@ class HintPlan:
         if not occ:
             return None
         best: Rank | None = None
-        for need, i in occ:
+        by_seq = self._by_seq
+        for seq, i in _OCC.iter_unpack(occ):
+            need = by_seq[seq]
             if not need.removed and not need.consumed[i]:
                 r = need.rank(i)
                 if best is None or r < best:
@@ -299,7 +402,9 @@ class HintPlan:
         if not occ:
             return False
         best: tuple[Need, int] | None = None
-        for need, i in occ:
+        by_seq = self._by_seq
+        for seq, i in _OCC.iter_unpack(occ):
+            need = by_seq[seq]
             if not need.removed and not need.consumed[i] and (best is None or need.rank(i) < best[0].rank(best[1])):
                 best = (need, i)
         if best is None:
@@ -311,8 +416,10 @@ class HintPlan:
         self.version += 1
         return True
 
-    def remaining(self, need: Need, resident: Callable[[ChunkId], bool]) -> int:
-        """Bytes of ``need`` neither consumed nor resident (each chunk once)."""
+    def remaining(self, need: Need, resident: Callable[[ChunkId], bool], *, any_left: bool = False) -> int:
+        """Bytes of ``need`` neither consumed nor resident (each chunk once). With ``any_left``,
+        stops at the first such chunk: nonzero exactly when the full count is (a need whose
+        head is not resident is answered at once, not by walking all its chunks)."""
         left = 0
         counted: set[ChunkId] = set()
         for i in range(need.cursor, len(need.chunks)):
@@ -320,6 +427,8 @@ class HintPlan:
             if not need.consumed[i] and cid not in counted and not resident(cid):
                 counted.add(cid)
                 left += need.sizes[i]
+                if any_left and left:
+                    break
         return left
 
     def check_deadlines(self, now: float, resident: Callable[[ChunkId], bool]) -> list[Need]:
@@ -338,12 +447,15 @@ class HintPlan:
                 if now > need.deadline + EXPIRE_AFTER_S:
                     self.remove(need.id)
                 continue
-            left = self.remaining(need, resident)
-            if left == 0 and need.finished_at is None:
+            # Here the need is not finished, or missed its deadline. Counting all its bytes
+            # every round held the event loop ~12 ms per 100 000 chunks; only a deadline miss
+            # needs the count, the rest whether any are left.
+            if need.finished_at is None and not self.remaining(need, resident, any_left=True):
                 need.finished_at = now
                 self.needs_finished += 1
                 continue
-            if not need.missed and now > need.deadline and left > 0:
+            if not need.missed and now > need.deadline:
+                left = self.remaining(need, resident)  # > 0: not finished (finished_at is None)
                 need.missed = True
                 self.deadline_misses += 1
                 self.missed_bytes += left
@@ -356,9 +468,7 @@ class HintPlan:
         declared = consumed = 0
         for need in self.needs.values():
             declared += need.total_bytes
-            for i, size in enumerate(need.sizes):
-                if need.consumed[i]:
-                    consumed += size
+            consumed += sum(compress(need.sizes, need.consumed))  # (in C: ~0.5 ms per 100 000 chunks)
         return PlanStats(
             needs=len(self.needs), declared_bytes=declared, consumed_bytes=consumed,
             released_chunks=len(self.released), deadline_misses=self.deadline_misses,
