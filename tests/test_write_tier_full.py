@@ -88,8 +88,9 @@ def test_enospc_only_when_backing_is_full(tiermount, small_backing: Path) -> Non
 
 
 def test_dirty_data_evicts_clean_chunks_not_fails(tiermount, tmp_path: Path) -> None:
-    data = write_random(tmp_path / "back" / "cached.bin", 12 * MiB, seed=4)
-    m = tiermount(ram="8MiB", ssd="16MiB")
+    data = write_random(tmp_path / "back" / "cached.bin", 24 * MiB, seed=4)
+    # 24 MiB: the journal sets 5 MiB of the write tier aside, and 12 MiB must fit in the rest
+    m = tiermount(ram="8MiB", ssd="24MiB")
     assert (m.mnt / "cached.bin").read_bytes() == data  # fills the tiers with clean chunks
     payload = os.urandom(12 * MiB)
     (m.mnt / "new.bin").write_bytes(payload)
