@@ -38,7 +38,7 @@ from tierfs.access import caller_of
 from tierfs.backing_tree import BackingTree, proc_path, split
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
-from tierfs.fs.control import MAX_PENDING_BYTES, ControlPlane
+from tierfs.fs.control import ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
@@ -714,7 +714,7 @@ class Operations(pyfuse3.Operations):
         with fuse_errors("open"):
             if inode in self.control.by_inode:
                 cf = self.control.by_inode[inode]
-                data = b"" if cf.command else cf.render()
+                data = b"" if cf.command else cf.render(ctx.uid)
                 # A write carries no request context: a command acts with the opener's
                 # credentials, taken now (tierfs.access; one procfs read, ~20 us)
                 caller = caller_of(ctx.uid, ctx.gid, ctx.pid) if cf.command else None
@@ -863,7 +863,8 @@ class Operations(pyfuse3.Operations):
         with logged_errors("release"):  # the kernel ignores release's answer
             h = self.handles.pop(fh)
             if isinstance(h, ControlHandle):
-                self.control.pending_bytes -= len(h.request)  # a request never finished
+                if h.caller is not None:  # a request never finished
+                    self.control.unhold(h.caller.uid, len(h.request))
                 h.request = bytearray()
             if isinstance(h, FileHandle):
                 self.readahead.forget(h.readahead)
@@ -885,16 +886,19 @@ class Operations(pyfuse3.Operations):
         if h.answered is not None and not h.answered.is_set():
             raise pyfuse3.FUSEError(errno.EBUSY)  # one request at a time per descriptor
         n = len(buf)
-        if len(h.request) + n > wire.MAX_REQUEST_BYTES or self.control.pending_bytes + n > MAX_PENDING_BYTES:
+        uid = h.caller.uid
+        error = None
+        if len(h.request) + n > wire.MAX_REQUEST_BYTES:
+            error = (f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} bytes); "
+                     "send fewer paths per request")
+        else:
+            # bounded per user too (MAX_USER_PENDING_BYTES): one user's unfinished requests
+            # must not lock everyone else out
+            error = self.control.hold(uid, n)
+        if error is not None:
             # Cut off here, not at the newline: a request line used to grow without limit
             # (2.25 GiB of daemon memory, never returned). The reply names the cap.
-            if len(h.request) + n > wire.MAX_REQUEST_BYTES:
-                error = (f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} bytes); "
-                         "send fewer paths per request")
-            else:
-                error = (f"the daemon already holds {self.control.pending_bytes} bytes of requests "
-                         f"(MAX_PENDING_BYTES {MAX_PENDING_BYTES}); retry later")
-            self.control.pending_bytes -= len(h.request)
+            self.control.unhold(uid, len(h.request))
             h.request = bytearray()
             h.overflow = not buf.endswith(b"\n")
             h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
@@ -903,7 +907,6 @@ class Operations(pyfuse3.Operations):
                             "control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
             raise pyfuse3.FUSEError(errno.EFBIG)
         h.request += buf
-        self.control.pending_bytes += n
         if h.request.endswith(b"\n"):
             # The write returns at once and the reply is read back when ready: the kernel holds
             # the file's inode lock during a FUSE write, so a command answered inside the write
@@ -917,7 +920,7 @@ class Operations(pyfuse3.Operations):
                 try:
                     h.data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
                 finally:
-                    self.control.pending_bytes -= size
+                    self.control.unhold(caller.uid, size)
                     answered.set()
 
             if self.nursery is None:
