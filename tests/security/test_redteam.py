@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import subprocess
 from pathlib import Path
 
@@ -98,3 +99,94 @@ def test_redteam_stats_json_reveals_paths_in_private_dirs(attacker: User, secmou
     assert b"acquisition-target-name" not in r.stdout
     r = attacker.run(["ls", str(m.mnt / "private")])
     assert r.returncode != 0  # the attacker cannot list the directory itself
+
+
+# Attacker side, for the in-place write-back: in a backing directory the attacker owns
+# (argv[1]) and its view through the mount (argv[2]), make ``e`` (mode argv[3], octal) with a
+# second hard link ``e2`` (so tierfs writes it back in place), open it for writing through the
+# mount, write a script, and - while it is open, so the write-back has not started - replace
+# ``e`` on the backing store by argv[4]: "fifo", or "mv:PATH" (a file to rename in its place).
+IN_PLACE = r"""
+import os, sys
+back, mnt, mode, swap = sys.argv[1], sys.argv[2], int(sys.argv[3], 8), sys.argv[4]
+e = os.path.join(back, "e")
+with open(e, "w") as f:
+    f.write("old\n")
+os.chmod(e, mode)
+os.link(e, os.path.join(back, "e2"))
+fd = os.open(os.path.join(mnt, "e"), os.O_WRONLY | os.O_TRUNC)
+os.write(fd, b"#!/bin/sh\necho pwned\n")
+os.unlink(e)
+if swap == "fifo":
+    os.mkfifo(e)
+else:
+    os.rename(swap[3:], e)
+os.close(fd)
+"""
+
+
+def _attacker_dir(shared_dir: Path, attacker: User) -> Path:
+    d = shared_dir / "back" / "atk"
+    d.mkdir(mode=0o755)
+    os.chown(d, attacker.uid, attacker.gid)
+    return d
+
+
+def _settled(m, timeout: float = 60) -> dict:
+    """The write-back statistics once nothing is being written (polling a state)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        wb = json.loads((m.mnt / ".tierfs" / "stats.json").read_bytes())["writeback"]
+        if (wb["dirty_files"] == 0 or wb["failures"]) or time.monotonic() > end:
+            return wb
+        time.sleep(0.05)  # polling for a state, not waiting out a race
+
+
+def test_redteam_in_place_writeback_overwrites_root_file(attacker: User, secmount, shared_dir: Path) -> None:
+    """A hard-linked file is written back in place: its backing path was opened again by name
+    at write-back, written, truncated and fchmod'ed to the dirty file's mode, as root, with no
+    check that it is still the file that was copied up. A user who can write a backing
+    directory (their home on the HDD) swaps the name for another user's file they may move but
+    not write: here root's 0600 file in a shared 0777 directory (rename needs write permission
+    on the directories only). The write-back then put the attacker's script into root's file
+    and made it 0755. Now the file opened at write-back must be a regular file with the owner
+    and group of the one written back, or the write-back fails."""
+    d = _attacker_dir(shared_dir, attacker)
+    (shared_dir / "back" / "open").mkdir()
+    os.chmod(shared_dir / "back" / "open", 0o777)
+    target = shared_dir / "back" / "open" / "job.sh"
+    target.write_bytes(b"root's job\n")
+    os.chmod(target, 0o600)
+    m = secmount(allow_other=True, extra=("-o", "writeback_deadline=3600"))
+    r = attacker.py(IN_PLACE, str(d), str(m.mnt / "atk"), "755", f"mv:{target}")
+    assert r.returncode == 0, r.stderr.decode()
+    moved = d / "e"
+    as_root(m.mnt, {"op": "flush", "paths": ["atk/e"], "timeout": 5})
+    _settled(m)
+    st = os.stat(moved)
+    assert st.st_uid == 0
+    assert moved.read_bytes() == b"root's job\n", oct(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+
+
+def test_redteam_in_place_writeback_fifo_stalls_the_mount(attacker: User, secmount, shared_dir: Path) -> None:
+    """The same in-place write-back opened the name it found with a blocking ``O_WRONLY``: a
+    fifo swapped in held the backing store's only transaction slot forever, and every read of
+    an uncached file by every user (and ``tierfs flush``, and unmount) hung behind it."""
+    d = _attacker_dir(shared_dir, attacker)
+    fresh = shared_dir / "back" / "fresh"
+    fresh.write_bytes(b"f" * 100_000)
+    m = secmount(allow_other=True, extra=("-o", "writeback_deadline=3600"))
+    r = attacker.py(IN_PLACE, str(d), str(m.mnt / "atk"), "644", "fifo")
+    assert r.returncode == 0, r.stderr.decode()
+    as_root(m.mnt, {"op": "flush", "paths": ["atk/e"], "timeout": 1})
+    try:
+        # a hang is what is tested for: 30 s is far beyond a 100 kB read
+        out = subprocess.run(["cat", str(m.mnt / "fresh")], capture_output=True, timeout=30)
+        assert out.stdout == b"f" * 100_000
+    finally:
+        # unblock a daemon stuck in the open, so that the mount can be unmounted
+        fd = os.open(d / "e", os.O_RDONLY | os.O_NONBLOCK)
+        os.close(fd)

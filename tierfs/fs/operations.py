@@ -519,8 +519,12 @@ class Operations(pyfuse3.Operations):
             if entry.dirty is not None and entry.dirty.state.value != "clean":
                 # still open for writing: its later write-back must keep the link, and both
                 # names are one inode
-                self.wb.set_in_place(entry.dirty)
                 st = await self.meta.run(self.tree.lstat, src)
+                st2 = await self.meta.run(self.tree.lstat, new_path)
+                # both names must be the inode just linked; if a user swapped one meanwhile,
+                # the write-back knows no inode and checks the owner instead
+                same = (st.st_dev, st.st_ino) == (st2.st_dev, st2.st_ino)
+                self.wb.set_in_place(entry.dirty, st if same else None)
                 self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             return await self._lookup_path(new_path)
 
@@ -672,7 +676,7 @@ class Operations(pyfuse3.Operations):
         if truncate or st.st_size == 0:
             df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
             if st.st_nlink > 1:
-                self.wb.set_in_place(df)
+                self.wb.set_in_place(df, st)
         else:
             bf = await self._backing_file(path)
             access = AccessState()
@@ -684,7 +688,7 @@ class Operations(pyfuse3.Operations):
                 self.cache.forget_access(access)
                 self._release_backing(bf)
             if st.st_nlink > 1:
-                self.wb.set_in_place(df)
+                self.wb.set_in_place(df, st)
         self.inodes.attach(entry, df)
         return df
 
