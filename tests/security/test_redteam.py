@@ -190,3 +190,37 @@ def test_redteam_in_place_writeback_fifo_stalls_the_mount(attacker: User, secmou
         # unblock a daemon stuck in the open, so that the mount can be unmounted
         fd = os.open(d / "e", os.O_RDONLY | os.O_NONBLOCK)
         os.close(fd)
+
+
+def test_redteam_recovery_fifo_as_temporary_file_hangs_mount(attacker: User, secmount, shared_dir: Path) -> None:
+    """After a crash, recovery finishes a written-through file: it fsyncs its temporary file
+    (``.tierfs-wb.<id>.<random>``, beside the file, in a directory the user may own and list)
+    and renames it into place. The fsync opened the temporary name with a blocking
+    ``O_RDONLY``: a fifo the user put there instead made the next mount hang for good.
+    Now a temporary file that is not a regular file is refused (its row is quarantined) and
+    the mount comes up."""
+    _attacker_dir(shared_dir, attacker)
+    m = secmount(allow_other=True, extra=("-o", "writeback_deadline=3600"))
+    m.kill9()
+    # the row a kill leaves for a written-through file (as tests/test_writeback_recovery_mount.py
+    # writes it); the attacker lists its directory and finds the temporary name
+    tmp = b"atk/.tierfs-wb.77.1f2e3d4c5b6a7988"
+    assert m.ssd is not None
+    con = sqlite3.connect(m.ssd / "journal.sqlite")
+    cols = [r[1] for r in con.execute("PRAGMA table_info(dirty)")]
+    cur = con.execute("INSERT INTO dirty (path, tmp, through) VALUES (?, ?, 1)", (b"atk/x", tmp))
+    if "state" in cols:
+        con.execute("UPDATE dirty SET state='through' WHERE id=?", (cur.lastrowid,))
+    con.commit()
+    con.close()
+    r = attacker.run(["mkfifo", str(shared_dir / "back" / os.fsdecode(tmp))])
+    assert r.returncode == 0, r.stderr
+    try:
+        tierfs_cmd("mount", str(m.backing), str(m.mnt), *m.args, timeout=30)
+        m.pid = int((m.mnt / ".tierfs" / "pid").read_text())
+        wb = json.loads((m.mnt / ".tierfs" / "stats.json").read_bytes())["writeback"]
+        assert wb["quarantined"] == 1
+    finally:
+        # unblock a daemon stuck in the open, so that it can be stopped
+        fd = os.open(shared_dir / "back" / os.fsdecode(tmp), os.O_RDWR | os.O_NONBLOCK)
+        os.close(fd)
