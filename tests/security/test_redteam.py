@@ -282,3 +282,61 @@ def test_redteam_stuck_dirty_files_exhaust_daemon_descriptors(monkeypatch: pytes
     # another user's (here root's) reads and writes through the mount still work
     assert (m.mnt / "fresh").read_bytes() == b"f" * 10_000
     (m.mnt / "new").write_bytes(b"n")
+
+
+# Attacker side: create argv[1] (a name it may create: a sticky shared directory) until it gets
+# inode argv[2] (ext4 and xfs hand a freed inode number out again at once), then give it size
+# argv[3] and mtime argv[4] (ns): the owner of a file may set both. Prints the inode it got.
+REUSE = r"""
+import os, sys
+path, ino, size, mtime = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+d = os.path.dirname(path)
+spare = []
+for i in range(2000):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if os.fstat(fd).st_ino == ino:
+        break
+    os.close(fd)
+    spare.append(path + ".%d" % i)
+    os.rename(path, spare[-1])  # keep the inode taken, try the next one
+os.ftruncate(fd, size)
+os.close(fd)
+os.utime(path, ns=(mtime, mtime))
+for p in spare:
+    os.unlink(p)
+print(os.stat(path).st_ino)
+"""
+
+
+def test_redteam_reused_inode_serves_victims_cached_bytes(attacker: User, victim: User, secmount,
+                                                          shared_dir: Path) -> None:
+    """Cached bytes are keyed by (path, size, mtime, inode, device). All of it can be
+    reproduced by another user once the file is gone: in a shared sticky directory (a
+    scratch space) the victim's 0600 file, read through the mount (so cached), is deleted on
+    the backing store; the attacker creates the same name, gets the freed inode number back
+    (ext4/xfs reuse it at once), sets the size and the mtime (any owner may), and reads the
+    victim's cached bytes through the mount. The change time, which nobody can set, must be
+    part of what makes cached bytes valid."""
+    scratch = shared_dir / "back" / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    secret = scratch / "secret"
+    payload = b"victim's private bytes\n" * 4000
+    r = victim.py("import sys; f = open(sys.argv[1], 'wb'); f.write(sys.argv[2].encode() * 4000)",
+                  str(secret), "victim's private bytes\n")
+    assert r.returncode == 0, r.stderr
+    os.chmod(secret, 0o600)
+    st = os.stat(secret)
+    m = secmount(allow_other=True)
+    assert (m.mnt / "scratch" / "secret").read_bytes() == payload  # root reads it: now cached
+    os.unlink(secret)  # the victim deletes it (on the backing store)
+    r = attacker.py(REUSE, str(secret), str(st.st_ino), str(st.st_size), str(st.st_mtime_ns))
+    assert r.returncode == 0, r.stderr.decode()
+    if int(r.stdout) != st.st_ino:
+        pytest.skip("this filesystem did not hand the inode number out again")
+    drop = subprocess.run(["sh", "-c", "echo 1 > /proc/sys/vm/drop_caches"], capture_output=True)
+    assert drop.returncode == 0
+    r = attacker.run(["cat", str(m.mnt / "scratch" / "secret")])
+    assert r.returncode == 0, r.stderr
+    assert b"victim" not in r.stdout
+    assert r.stdout == b"\0" * st.st_size
