@@ -340,3 +340,46 @@ def test_redteam_reused_inode_serves_victims_cached_bytes(attacker: User, victim
     assert r.returncode == 0, r.stderr
     assert b"victim" not in r.stdout
     assert r.stdout == b"\0" * st.st_size
+
+
+# Attacker side: on argv[2] descriptors of the ctl file (argv[1]) in turn, send a `where` of
+# 500 000 copies of one path it may read (argv[3]) and read the head of the reply, keeping every
+# descriptor (and so every reply) open. Prints one JSON line: each reply's first 300 bytes.
+HOLD_REPLIES = r"""
+import json, os, sys
+ctl, n, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+req = json.dumps({"op": "where", "paths": [path] * 500000}).encode() + b"\n"
+fds, heads = [], []
+for _ in range(n):
+    fd = os.open(ctl, os.O_RDWR)
+    fds.append(fd)
+    view = memoryview(req)
+    while view:
+        view = view[os.write(fd, view[:1 << 20]):]
+    heads.append(os.pread(fd, 300, 0).decode(errors="replace"))
+print(json.dumps(heads))
+"""
+
+
+def test_redteam_ctl_held_replies_unbounded(monkeypatch: pytest.MonkeyPatch, attacker: User, secmount,
+                                            shared_dir: Path) -> None:
+    """A reply stays in the daemon until its descriptor is closed. Request bytes were bounded,
+    replies not: a `where` of 500 000 paths (a legal request) answers ~50 MB, and one user
+    keeping such replies on descriptors it never closes grew the daemon by 50 MB each (RSS
+    34 MB -> 375 MB with three), without bound. Replies now count against the same per-user
+    budget as requests (MAX_USER_PENDING_BYTES): the third is refused, naming it."""
+    # a 500 000-path `where` holds the event loop up to ~200 ms at times (collections of its
+    # million reply objects; tests/test_hints_mount.py::test_hundred_thousand_paths shows it
+    # too): a finding of its own, not this test's
+    monkeypatch.setattr("tests.conftest.LOOP_STRICT", False)
+    pub = shared_dir / "back" / "pub"
+    pub.write_bytes(b"p")
+    os.chmod(pub, 0o644)
+    m = secmount(allow_other=True)
+    r = attacker.py(HOLD_REPLIES, str(m.mnt / ".tierfs" / "ctl"), "3", "pub", timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    heads = json.loads(r.stdout)
+    assert heads[0].startswith('{"ok": true'), heads[0]
+    assert any("MAX_USER_PENDING_BYTES" in h for h in heads), heads
+    # and once it closed them, the user is served again
+    assert send_as(attacker, m.mnt, {"op": "where", "paths": ["pub"]})["ok"] is True

@@ -867,8 +867,10 @@ class Operations(pyfuse3.Operations):
         with logged_errors("release"):  # the kernel ignores release's answer
             h = self.handles.pop(fh)
             if isinstance(h, ControlHandle):
-                if h.caller is not None:  # a request never finished
-                    self.control.unhold(h.caller.uid, len(h.request))
+                if h.caller is not None:  # a request never finished, a reply held
+                    self.control.unhold(h.caller.uid, len(h.request) + h.held)
+                    h.held = 0
+                h.closed = True
                 h.request = bytearray()
             if isinstance(h, FileHandle):
                 self.readahead.forget(h.readahead)
@@ -902,7 +904,8 @@ class Operations(pyfuse3.Operations):
         if error is not None:
             # Cut off here, not at the newline: a request line used to grow without limit
             # (2.25 GiB of daemon memory, never returned). The reply names the cap.
-            self.control.unhold(uid, len(h.request))
+            self.control.unhold(uid, len(h.request) + h.held)
+            h.held = 0
             h.request = bytearray()
             h.overflow = not buf.endswith(b"\n")
             h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
@@ -919,12 +922,31 @@ class Operations(pyfuse3.Operations):
             size = len(request)
             answered = h.answered = trio.Event()
             caller = h.caller
+            # the previous reply on this descriptor is replaced by this one
+            self.control.unhold(caller.uid, h.held)
+            h.held = 0
 
             async def answer() -> None:
+                request_held = size
                 try:
-                    h.data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
+                    data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
+                    self.control.unhold(caller.uid, request_held)
+                    request_held = 0
+                    # A reply stays in memory until its descriptor is closed or sends the next
+                    # request: it counts against the same per-user budget as requests (one
+                    # user holding replies of 50 MB on a thousand descriptors grew the daemon
+                    # without bound).
+                    error = None if h.closed else self.control.hold(caller.uid, len(data))
+                    if h.closed:
+                        data = b""
+                    elif error is None:
+                        h.held = len(data)
+                    else:
+                        data = json.dumps({"ok": False, "kind": "value",
+                                           "error": f"reply of {len(data)} bytes not kept: {error}"}).encode() + b"\n"
+                    h.data = data
                 finally:
-                    self.control.unhold(caller.uid, size)
+                    self.control.unhold(caller.uid, request_held)
                     answered.set()
 
             if self.nursery is None:
