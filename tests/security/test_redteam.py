@@ -383,3 +383,42 @@ def test_redteam_ctl_held_replies_unbounded(monkeypatch: pytest.MonkeyPatch, att
     assert any("MAX_USER_PENDING_BYTES" in h for h in heads), heads
     # and once it closed them, the user is served again
     assert send_as(attacker, m.mnt, {"op": "where", "paths": ["pub"]})["ok"] is True
+
+
+# Attacker side: fill a directory of its own on the backing store (argv[1]) with argv[2]
+# names, hard links of a few empty files (cheap: no inode, no data per name).
+MANY_NAMES = r"""
+import os, sys
+d, n = sys.argv[1], int(sys.argv[2])
+base = None
+for i in range(n):
+    if i % 50000 == 0:
+        base = os.path.join(d, "base%d" % i)
+        open(base, "w").close()
+    else:
+        os.link(base, os.path.join(d, "n%07d" % i))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="readdir builds and sorts the whole merged listing (an lstat "
+                   "result per name) on the event loop when read from the start, and keeps it per "
+                   "handle; fix: list in slices off the loop (paced like control requests) and bound "
+                   "the listing memory held per user, or stream the backing directory's own order")
+def test_redteam_huge_directory_listing_stalls_everyone(monkeypatch: pytest.MonkeyPatch, attacker: User,
+                                                        secmount, shared_dir: Path) -> None:
+    """Listing a directory (``ls``, ``os.scandir``) made the daemon sort the whole merged listing
+    of (name, lstat) pairs on its event loop: 300 000 names, which a user can put in a directory
+    of their own on the backing store in a few seconds, held every FUSE request of every user
+    for 1.5 s (measured; the loop's bound is 50 ms; more for the 1.2 million files of a flat dataset
+    directory). Each open directory handle also keeps that whole listing (~250 bytes a name)
+    until it is closed, with no bound per user."""
+    from tests.conftest import loop_offenders
+
+    monkeypatch.setattr("tests.conftest.LOOP_STRICT", False)  # asserted here, not at unmount
+    d = _attacker_dir(shared_dir, attacker)
+    r = attacker.py(MANY_NAMES, str(d), "300000", timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    m = secmount(allow_other=True)
+    r = attacker.py("import os, sys; print(len(os.listdir(sys.argv[1])))", str(m.mnt / "atk"), timeout=300)
+    assert r.returncode == 0 and int(r.stdout) == 300000, r.stderr.decode()[-2000:]
+    assert loop_offenders(m) is None
