@@ -10,6 +10,7 @@ import os
 import sqlite3
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -422,3 +423,58 @@ def test_redteam_huge_directory_listing_stalls_everyone(monkeypatch: pytest.Monk
     r = attacker.py("import os, sys; print(len(os.listdir(sys.argv[1])))", str(m.mnt / "atk"), timeout=300)
     assert r.returncode == 0 and int(r.stdout) == 300000, r.stderr.decode()[-2000:]
     assert loop_offenders(m) is None
+
+
+def test_redteam_daemon_imports_tierfs_from_cwd(attacker: User, secmount, shared_dir: Path) -> None:
+    """``tierfs mount`` starts the daemon as ``python -m tierfs`` in the caller's working
+    directory, and ``-m`` puts that directory first on the import path: root running ``tierfs
+    mount`` from /tmp, a shared project directory or any directory another user can write ran
+    that user's ``tierfs/__main__.py`` as root. (The parent here is started with ``-P``, as the
+    installed ``tierfs`` script is, which imports from its own installation only.)"""
+    scratch = shared_dir / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    marker = scratch / "ran-as"
+    plant = ("import os, sys\n"
+             "pkg = os.path.join(sys.argv[1], 'tierfs')\n"
+             "os.mkdir(pkg)\n"
+             "open(os.path.join(pkg, '__init__.py'), 'w').close()\n"
+             "open(os.path.join(pkg, '__main__.py'), 'w').write(sys.argv[2])\n")
+    payload = f"import os\nopen({str(marker)!r}, 'w').write(str(os.getuid()))\n"
+    r = attacker.py(plant, str(scratch), payload)
+    assert r.returncode == 0, r.stderr.decode()
+    m = secmount(allow_other=True, start=False)
+    from tests.conftest import REPO
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r2 = subprocess.run([sys.executable, "-P", "-m", "tierfs", "mount", str(m.backing), str(m.mnt), *m.args],
+                        cwd=scratch, env=env, capture_output=True, text=True, timeout=180)
+    if r2.returncode == 0:
+        m.pid = int((m.mnt / ".tierfs" / "pid").read_text())
+    assert not marker.exists(), f"attacker code ran as uid {marker.read_text()}"
+    assert r2.returncode == 0, r2.stderr
+
+
+def test_redteam_installed_wrapper_imports_tierfs_from_cwd(attacker: User, shared_dir: Path) -> None:
+    """The ``tierfs`` command and ``mount.fuse.tierfs`` that ``tierfs install-helper`` writes
+    are shell wrappers running ``python -m tierfs``: from a directory another user can write,
+    root ran that user's ``tierfs`` package (the working directory comes before PYTHONPATH)."""
+    from tierfs import helper
+
+    scratch = shared_dir / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    marker = scratch / "ran-as"
+    plant = ("import os, sys\n"
+             "pkg = os.path.join(sys.argv[1], 'tierfs')\n"
+             "os.mkdir(pkg)\n"
+             "open(os.path.join(pkg, '__init__.py'), 'w').close()\n"
+             "open(os.path.join(pkg, '__main__.py'), 'w').write(sys.argv[2])\n")
+    payload = f"import os\nopen({str(marker)!r}, 'w').write(str(os.getuid()))\n"
+    r = attacker.py(plant, str(scratch), payload)
+    assert r.returncode == 0, r.stderr.decode()
+    wrapper = shared_dir / "tierfs-wrapper"
+    wrapper.write_text(helper.wrapper("tierfs", helper.CLI_WHAT))
+    os.chmod(wrapper, 0o755)
+    r2 = subprocess.run([str(wrapper), "--help"], cwd=scratch, capture_output=True, text=True, timeout=60)
+    assert not marker.exists(), f"attacker code ran as uid {marker.read_text()}"
+    assert r2.returncode == 0 and "mount" in r2.stdout, r2.stderr
