@@ -478,3 +478,28 @@ def test_redteam_installed_wrapper_imports_tierfs_from_cwd(attacker: User, share
     r2 = subprocess.run([str(wrapper), "--help"], cwd=scratch, capture_output=True, text=True, timeout=60)
     assert not marker.exists(), f"attacker code ran as uid {marker.read_text()}"
     assert r2.returncode == 0 and "mount" in r2.stdout, r2.stderr
+
+
+def test_redteam_changed_backing_file_floods_log(attacker: User, secmount, shared_dir: Path) -> None:
+    """Every open of a file changed behind tierfs' back logged one line ("backing file changed:
+    <path>"), unthrottled: the owner of a backing directory appending a byte and opening the
+    file again through the mount, in a loop, with a 4 KB name, grows the root daemon's log (in
+    /run, a RAM filesystem the whole system needs) by 4 KB an iteration for as long as it
+    likes. Now such lines are throttled per kind, like other repeated events."""
+    d = _attacker_dir(shared_dir, attacker)
+    logdir = shared_dir / "log"
+    logdir.mkdir(mode=0o700)
+    log = logdir / "daemon.log"
+    m = secmount(allow_other=True, extra=("-o", f"log_file={log}"))
+    code = ("import os, sys\n"
+            "back, mnt = sys.argv[1], sys.argv[2]\n"
+            "name = 'n' * 250\n"
+            "open(os.path.join(back, name), 'w').write('x')\n"
+            "for i in range(200):\n"
+            "    open(os.path.join(back, name), 'a').write('x')\n"
+            "    open(os.path.join(mnt, name)).read()\n")
+    r = attacker.py(code, str(d), str(m.mnt / "atk"))
+    assert r.returncode == 0, r.stderr.decode()
+    m.stop()
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "backing file changed" in line]
+    assert 1 <= len(lines) <= 5, len(lines)

@@ -749,7 +749,10 @@ class Operations(pyfuse3.Operations):
             changed = entry.last_key is not None and entry.last_key != key
             if changed:
                 old = entry.last_key
-                log.info("backing file changed: %s; dropping its cached chunks", bf.path)
+                # throttled: the owner of a backing directory can change a file and open it
+                # again in a loop, and one line each grew the log (in /run) without bound
+                logevents.event(log, logging.INFO, "backing-changed",
+                                "backing file changed: %s; dropping its cached chunks", logevents.user_text(bf.path))
                 if self.nursery is not None and old is not None:
                     self.nursery.start_soon(self.cache.drop_file, old)
             entry.last_key = key
