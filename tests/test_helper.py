@@ -61,7 +61,7 @@ def test_install_writes_wrappers_and_unit_and_uninstall_removes_only_them(tmp_pa
     written = helper.install(str(sbin), str(bin_), str(units))
     assert written == [str(sbin / "mount.fuse.tierfs"), str(bin_ / "tierfs"), str(units / "tierfs@.service")]
     text = (sbin / "mount.fuse.tierfs").read_text()
-    assert f"exec '{sys.executable}' -m tierfs.helper" in text and f"PYTHONPATH='{REPO}'" in text
+    assert f"exec '{sys.executable}' -P -m tierfs.helper" in text and f"PYTHONPATH='{REPO}'" in text
     assert os.access(sbin / "mount.fuse.tierfs", os.X_OK) and os.access(bin_ / "tierfs", os.X_OK)
     unit = (units / "tierfs@.service").read_text()
     assert f"ExecStart={bin_ / 'tierfs'} mount --foreground --config /etc/tierfs/%i.toml %f" in unit

@@ -65,9 +65,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     os.close(mount_mod.open_state_dir(plan.state_dir))  # private: 0700, verified
     log_path = logevents.stdio_path(cfg.log_file, plan.state_dir)
     r, w = os.pipe()
-    argv = [sys.executable, "-m", "tierfs", *args.raw_argv, "--ready-fd", str(w)]
+    # -P: ``python -m`` would put the working directory first on the import path, and root
+    # running ``tierfs mount`` in a directory another user can write (/tmp, a shared project)
+    # would run that user's tierfs/__main__.py. The daemon imports this very tierfs instead.
+    argv = [sys.executable, "-P", "-m", "tierfs", *args.raw_argv, "--ready-fd", str(w)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     with os.fdopen(private.open_log(log_path), "ab") as logf:
-        proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf,
+        proc = subprocess.Popen(argv, pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=logf, env=env,
                                 stderr=logf, start_new_session=True, close_fds=True)
     os.close(w)
     msg = b""

@@ -140,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
 WRAPPER = """#!/bin/sh
 # {what}
 # Written by `tierfs install-helper`: runs tierfs with the Python below (mount(8) and systemd
-# run programs with a minimal PATH, from any directory). Run install-helper again after moving
-# the checkout or the virtual environment.
+# run programs with a minimal PATH, from any directory; -P: never import from the working
+# directory, which another user may write). Run install-helper again after moving the checkout
+# or the virtual environment.
 PYTHONPATH={root}${{PYTHONPATH:+:$PYTHONPATH}}
 export PYTHONPATH
-exec {python} -m {module} "$@"
+exec {python} -P -m {module} "$@"
 """
 HELPER_WHAT = f"mount(8) helper for type {FSTYPE}: mount.fuse.tierfs BACKING MOUNTPOINT -o OPTIONS"
 CLI_WHAT = "the tierfs command"

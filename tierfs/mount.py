@@ -437,15 +437,23 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["loop"] = watch.as_dict() if watch is not None else None
         return doc
 
-    def render_stats() -> bytes:
-        return json.dumps(stats_doc(), indent=1).encode() + b"\n"
+    def render_stats(uid: int = 0) -> bytes:
+        doc = stats_doc()
+        if uid != 0:
+            # stats.json is open to every user of the mount: what names files or carries
+            # another user's text is root's only (a quarantined path may lie in a 0700
+            # directory the reader cannot even look into; a need's label is its owner's text)
+            doc["writeback"]["quarantined_paths"] = []
+            for pd in doc["hints"].get("pending_deadlines", []):
+                pd["label"] = ""
+        return json.dumps(doc, indent=1).encode() + b"\n"
 
-    def render_config() -> bytes:
+    def render_config(uid: int = 0) -> bytes:
         d = asdict(cfg)
         d["tiers"] = [asdict(t) for t in plan.tiers]
         return json.dumps(d, indent=1).encode() + b"\n"
 
-    control = ControlPlane({"stats.json": render_stats, "pid": lambda: f"{os.getpid()}\n".encode(),
+    control = ControlPlane({"stats.json": render_stats, "pid": lambda uid: f"{os.getpid()}\n".encode(),
                             "config.json": render_config}, {wire.CTL_FILE: ctl})
     ops = Operations(tree=tree, inodes=inodes, cache=cache, writeback=writeback,
                      readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),

@@ -43,6 +43,8 @@ class ControlHandle:
     # no request context): every request written to this handle acts with them.
     caller: Caller | None = None
     overflow: bool = False  # the request being collected went over its cap: dropped to its newline
+    held: int = 0  # bytes of ``data`` (a reply) counted against the opener's budget (ControlPlane.hold)
+    closed: bool = False  # released: a reply finished after that is not kept
 
 
 @dataclass(eq=False)

@@ -38,7 +38,7 @@ from tierfs.access import caller_of
 from tierfs.backing_tree import BackingTree, proc_path, split
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.errors import TierfsError
-from tierfs.fs.control import MAX_PENDING_BYTES, ControlPlane
+from tierfs.fs.control import ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
@@ -531,8 +531,12 @@ class Operations(pyfuse3.Operations):
             if entry.dirty is not None and entry.dirty.state.value != "clean":
                 # still open for writing: its later write-back must keep the link, and both
                 # names are one inode
-                self.wb.set_in_place(entry.dirty)
                 st = await self.meta.run(self.tree.lstat, src)
+                st2 = await self.meta.run(self.tree.lstat, new_path)
+                # both names must be the inode just linked; if a user swapped one meanwhile,
+                # the write-back knows no inode and checks the owner instead
+                same = (st.st_dev, st.st_ino) == (st2.st_dev, st2.st_ino)
+                self.wb.set_in_place(entry.dirty, st if same else None)
                 self.inodes.rekey(entry, (st.st_dev, st.st_ino))
             return await self._lookup_path(new_path)
 
@@ -684,7 +688,7 @@ class Operations(pyfuse3.Operations):
         if truncate or st.st_size == 0:
             df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
             if st.st_nlink > 1:
-                self.wb.set_in_place(df)
+                self.wb.set_in_place(df, st)
         else:
             bf = await self._backing_file(path)
             access = AccessState()
@@ -696,7 +700,7 @@ class Operations(pyfuse3.Operations):
                 self.cache.forget_access(access)
                 self._release_backing(bf)
             if st.st_nlink > 1:
-                self.wb.set_in_place(df)
+                self.wb.set_in_place(df, st)
         self.inodes.attach(entry, df)
         return df
 
@@ -726,7 +730,7 @@ class Operations(pyfuse3.Operations):
         with fuse_errors("open"):
             if inode in self.control.by_inode:
                 cf = self.control.by_inode[inode]
-                data = b"" if cf.command else cf.render()
+                data = b"" if cf.command else cf.render(ctx.uid)
                 # A write carries no request context: a command acts with the opener's
                 # credentials, taken now (tierfs.access; one procfs read, ~20 us)
                 caller = caller_of(ctx.uid, ctx.gid, ctx.pid) if cf.command else None
@@ -757,7 +761,10 @@ class Operations(pyfuse3.Operations):
             changed = entry.last_key is not None and entry.last_key != key
             if changed:
                 old = entry.last_key
-                log.info("backing file changed: %s; dropping its cached chunks", bf.path)
+                # throttled: the owner of a backing directory can change a file and open it
+                # again in a loop, and one line each grew the log (in /run) without bound
+                logevents.event(log, logging.INFO, "backing-changed",
+                                "backing file changed: %s; dropping its cached chunks", logevents.user_text(bf.path))
                 if self.nursery is not None and old is not None:
                     self.nursery.start_soon(self.cache.drop_file, old)
             entry.last_key = key
@@ -875,7 +882,10 @@ class Operations(pyfuse3.Operations):
         with logged_errors("release"):  # the kernel ignores release's answer
             h = self.handles.pop(fh)
             if isinstance(h, ControlHandle):
-                self.control.pending_bytes -= len(h.request)  # a request never finished
+                if h.caller is not None:  # a request never finished, a reply held
+                    self.control.unhold(h.caller.uid, len(h.request) + h.held)
+                    h.held = 0
+                h.closed = True
                 h.request = bytearray()
             if isinstance(h, FileHandle):
                 self.readahead.forget(h.readahead)
@@ -897,16 +907,20 @@ class Operations(pyfuse3.Operations):
         if h.answered is not None and not h.answered.is_set():
             raise pyfuse3.FUSEError(errno.EBUSY)  # one request at a time per descriptor
         n = len(buf)
-        if len(h.request) + n > wire.MAX_REQUEST_BYTES or self.control.pending_bytes + n > MAX_PENDING_BYTES:
+        uid = h.caller.uid
+        error = None
+        if len(h.request) + n > wire.MAX_REQUEST_BYTES:
+            error = (f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} bytes); "
+                     "send fewer paths per request")
+        else:
+            # bounded per user too (MAX_USER_PENDING_BYTES): one user's unfinished requests
+            # must not lock everyone else out
+            error = self.control.hold(uid, n)
+        if error is not None:
             # Cut off here, not at the newline: a request line used to grow without limit
             # (2.25 GiB of daemon memory, never returned). The reply names the cap.
-            if len(h.request) + n > wire.MAX_REQUEST_BYTES:
-                error = (f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} bytes); "
-                         "send fewer paths per request")
-            else:
-                error = (f"the daemon already holds {self.control.pending_bytes} bytes of requests "
-                         f"(MAX_PENDING_BYTES {MAX_PENDING_BYTES}); retry later")
-            self.control.pending_bytes -= len(h.request)
+            self.control.unhold(uid, len(h.request) + h.held)
+            h.held = 0
             h.request = bytearray()
             h.overflow = not buf.endswith(b"\n")
             h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
@@ -915,7 +929,6 @@ class Operations(pyfuse3.Operations):
                             "control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
             raise pyfuse3.FUSEError(errno.EFBIG)
         h.request += buf
-        self.control.pending_bytes += n
         if h.request.endswith(b"\n"):
             # The write returns at once and the reply is read back when ready: the kernel holds
             # the file's inode lock during a FUSE write, so a command answered inside the write
@@ -924,12 +937,31 @@ class Operations(pyfuse3.Operations):
             size = len(request)
             answered = h.answered = trio.Event()
             caller = h.caller
+            # the previous reply on this descriptor is replaced by this one
+            self.control.unhold(caller.uid, h.held)
+            h.held = 0
 
             async def answer() -> None:
+                request_held = size
                 try:
-                    h.data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
+                    data = await cf.command(request, caller)  # type: ignore[misc, arg-type]
+                    self.control.unhold(caller.uid, request_held)
+                    request_held = 0
+                    # A reply stays in memory until its descriptor is closed or sends the next
+                    # request: it counts against the same per-user budget as requests (one
+                    # user holding replies of 50 MB on a thousand descriptors grew the daemon
+                    # without bound).
+                    error = None if h.closed else self.control.hold(caller.uid, len(data))
+                    if h.closed:
+                        data = b""
+                    elif error is None:
+                        h.held = len(data)
+                    else:
+                        data = json.dumps({"ok": False, "kind": "value",
+                                           "error": f"reply of {len(data)} bytes not kept: {error}"}).encode() + b"\n"
+                    h.data = data
                 finally:
-                    self.control.pending_bytes -= size
+                    self.control.unhold(caller.uid, request_held)
                     answered.set()
 
             if self.nursery is None:

@@ -20,22 +20,27 @@ def key_path(root: bytes, rel: bytes) -> str:
 @dataclass(frozen=True)
 class Identity:
     """What makes cached bytes valid: a change of any field is a different file (design
-    invariant 6). ``mtime_ns`` catches in-place writes, ``ino`` catches rename-over."""
+    invariant 6). ``mtime_ns`` catches in-place writes, ``ino`` catches rename-over.
+    ``ctime_ns`` is the one field no user can set: path, size, mtime and inode number can all
+    be reproduced by another user once a file is gone (create the name again in a shared
+    directory, get the freed inode number back - ext4 and xfs reuse it at once - truncate,
+    ``utime``), and that user would then read the old file's cached bytes through the mount."""
 
     path: str
     size: int
     mtime_ns: int
     ino: int
     dev: int
+    ctime_ns: int = 0
 
     @classmethod
     def of(cls, path: str, st: os.stat_result) -> Identity:
-        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        return cls(path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
     @property
     def key(self) -> str:
         """Stable name of this identity: tier file name and catalog key (xxh3-64, hex)."""
-        raw = f"{self.path}\0{self.size}\0{self.mtime_ns}\0{self.ino}\0{self.dev}".encode(
+        raw = f"{self.path}\0{self.size}\0{self.mtime_ns}\0{self.ino}\0{self.dev}\0{self.ctime_ns}".encode(
             "utf-8", "surrogateescape"
         )
         return xxhash.xxh3_64_hexdigest(raw)

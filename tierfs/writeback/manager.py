@@ -107,6 +107,9 @@ class DirtyFile:
     due: float = math.inf  # writeback_deadline after the last writer closed (a flush moves ``deadline``, not this)
     through: bool = False  # the bytes live on the backing store (``tmp``, or the final file once committed)
     in_place: bool = False  # hard-linked on the backing store: written back into its inode
+    # (st_dev, st_ino) of that backing inode, when known (None after recovery): the in-place
+    # write-back opens the path again and must find the same file there
+    backing_id: tuple[int, int] | None = None
     dir_times: tuple[tuple[int, int], int] | None = None  # dir times around a write-through's start
     tmp: bytes | None = None
     accounted: int = 0  # bytes charged to the write tier
@@ -705,9 +708,13 @@ class WriteBack:
         raise OSError(errno.EEXIST, "no free temporary name", os.fsdecode(df.path or b"?"))
 
     # -- namespace -------------------------------------------------------------------------
-    def set_in_place(self, df: DirtyFile) -> None:
+    def set_in_place(self, df: DirtyFile, st: os.stat_result | None = None) -> None:
         """The backing file has other hard links: write back into that inode (no temporary
-        file and rename, which would cut the links). Not atomic under a crash: documented."""
+        file and rename, which would cut the links). Not atomic under a crash: documented.
+        ``st``: the backing file's lstat, whose inode the write-back must find again (a user
+        who can write the backing directory may swap the name meanwhile)."""
+        if st is not None:
+            df.backing_id = (st.st_dev, st.st_ino)
         if not df.in_place:
             df.in_place = True
             self.journal.set_in_place(df.id)

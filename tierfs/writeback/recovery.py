@@ -21,8 +21,10 @@ quarantine table, it is logged and counted in :meth:`WriteBack.statistics` (``ti
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -41,8 +43,13 @@ log = logging.getLogger("tierfs.writeback")
 
 
 def _fsync_rel(tree: BackingTree, rel: bytes) -> None:
-    fd = tree.open(rel, os.O_RDONLY)
+    """fsync the temporary file ``rel``. It lies in a directory users may write: opened without
+    blocking (a fifo put there made the mount hang at recovery) and refused unless it is a
+    regular file (OSError EPERM: the row is quarantined, nothing is renamed)."""
+    fd = tree.open(rel, os.O_RDONLY | os.O_NONBLOCK)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EPERM, "temporary file is not a regular file any more", os.fsdecode(rel))
         os.fsync(fd)
     finally:
         os.close(fd)

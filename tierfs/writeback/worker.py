@@ -9,7 +9,9 @@ into place. A written-through file is committed by :func:`tierfs.writeback.throu
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import time
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -174,10 +176,38 @@ async def _copy_slices(wb: WriteBack, df: DirtyFile, gen: int, out: int, in_plac
     return copied
 
 
+def _open_in_place(wb: WriteBack, df: DirtyFile) -> int:
+    """(blocking) The backing file a hard-linked dirty file is written back into, opened again
+    by name: never through a symlink, never blocking (a fifo swapped in used to hold the
+    backing store's transaction slot, and so every user's reads, forever), and only if it is
+    still the file that was copied up - the same inode when known, else a regular file with
+    the dirty file's owner and group. A user who can write the backing directory may have
+    renamed another user's file (one they cannot write) under the name: the write-back then
+    wrote into it and chmod'ed it, as root. Raises OSError (EPERM: not the same file)."""
+    assert df.path is not None
+    out = wb.tree.open(df.path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(out)
+        own = os.fstat(df.fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EPERM, "in-place write-back: not a regular file any more", os.fsdecode(df.path))
+        if df.backing_id is not None:
+            same = (st.st_dev, st.st_ino) == df.backing_id
+        else:
+            same = (st.st_uid, st.st_gid) == (own.st_uid, own.st_gid)
+        if not same:
+            raise OSError(errno.EPERM, "in-place write-back: the backing file was replaced",
+                          os.fsdecode(df.path))
+        os.set_blocking(out, True)
+        return out
+    except BaseException:
+        os.close(out)
+        raise
+
+
 async def _write_in_place(wb: WriteBack, df: DirtyFile, gen: int) -> tuple[os.stat_result, int]:
     assert df.path is not None
-    # never follows a symlink planted under the file's name
-    out = cast("int", await wb._io(df, partial(wb.tree.open, df.path, os.O_WRONLY), 0))
+    out = cast("int", await wb._io(df, partial(_open_in_place, wb, df), 0))
     try:
         copied = await _copy_slices(wb, df, gen, out, in_place=True)
         st = await wb._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
