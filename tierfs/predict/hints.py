@@ -592,14 +592,18 @@ class HintService:
                     if queued_bytes >= self.budget:
                         stop = True
                         break
-                    if not self.cache.can_admit(cid, need.sizes[i], ahead=queued_bytes):
+                    size = need.sizes[i]
+                    if not self.cache.can_admit(cid, size, ahead=queued_bytes):
                         stop = blocked = True
                         break
+                    deadline = need.deadline
+                    # (an await: the need may leave the plan meanwhile and free its lists, so
+                    # nothing of it is indexed after this)
                     f = await self._file(need.file_of(i))
                     if f is not None:
-                        self._queued[cid] = self.scheduler.submit(f, cid[1], Klass.DEADLINE, need.deadline)
-                        queued_bytes += need.sizes[i]
-                        self.prefetched_bytes += need.sizes[i]
+                        self._queued[cid] = self.scheduler.submit(f, cid[1], Klass.DEADLINE, deadline)
+                        queued_bytes += size
+                        self.prefetched_bytes += size
                         submitted += 1
                     i += 1
                     break
