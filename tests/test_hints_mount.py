@@ -156,11 +156,11 @@ def test_cancel(tiermount, tmp_path: Path) -> None:
 
 
 def test_release_is_evicted_first(tiermount, tmp_path: Path) -> None:
-    """An 8 MiB RAM tier (LRU, 1 MiB chunks) filled by reading f0..f7 (1 MiB each, f0 first:
+    """A RAM tier of 8 chunks (LRU, 1 MiB chunks) filled by reading f0..f7 (1 MiB each, f0 first:
     the least recently used). release(f5), then reading f8 needs one chunk of room: f5 goes, not
     LRU's choice f0."""
     names = list(_files(tmp_path / "back", 9, MiB))
-    m = tiermount(ram="8MiB", extra=("--chunk-size", "1MiB", "--eviction", "lru"))
+    m = tiermount(ram="9MiB", extra=("--chunk-size", "1MiB", "--eviction", "lru"))  # 8 chunks: the journal sets 576 KiB aside
     # Not in name order: a reader going through a directory in name order makes tierfs
     # prefetch the next file (next-file prediction), which would take f8's place early.
     for i in (0, 5, 2, 7, 1, 4, 3, 6):

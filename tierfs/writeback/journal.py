@@ -86,10 +86,15 @@ def _os_error(e: sqlite3.Error) -> OSError:
 
 
 class Journal:
-    """Args: path: the sqlite file (created if missing). Raises OSError if it cannot be opened."""
+    """Args: path: the sqlite file (created if missing). reserve_limit: bytes the space
+    allocated ahead (WAL + database) may take at most; a small write tier (an 8 MiB RAM tier)
+    gets a proportionally smaller reserve. Raises OSError if it cannot be opened."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, reserve_limit: int | None = None) -> None:
         self.path = path
+        full = WAL_RESERVE_BYTES + DB_RESERVE_BYTES
+        scale = 1.0 if reserve_limit is None else min(1.0, max(0, reserve_limit) / full)
+        self._reserve_sizes = tuple(int(n * scale) // 4096 * 4096 for n in (WAL_RESERVE_BYTES, DB_RESERVE_BYTES))
         self._lock = threading.Lock()
         self._wal_fd = -1
         try:
@@ -122,7 +127,7 @@ class Journal:
 
         self.reserved = self._reserve()
         # bytes of the write tier's filesystem the journal holds ahead (taken out of the tier)
-        self.reserved_bytes = WAL_RESERVE_BYTES + DB_RESERVE_BYTES if self.reserved else 0
+        self.reserved_bytes = sum(self._reserve_sizes) if self.reserved else 0
 
     def _reserve(self) -> bool:
         """Allocate the blocks the WAL and the database will grow into, beyond their ends
@@ -131,7 +136,9 @@ class Journal:
         write-through that a full tier calls for can be recorded. Best effort (blocking):
         False if the filesystem cannot (no room now, or no fallocate)."""
         ok = True
-        for suffix, n in (("-wal", WAL_RESERVE_BYTES), ("", DB_RESERVE_BYTES)):
+        for suffix, n in zip(("-wal", ""), self._reserve_sizes, strict=True):
+            if n <= 0:
+                continue
             try:
                 fd = os.open(self.path + suffix, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
