@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from tests.test_cache import CS, bfile, content, make_cache, read_whole, settle
 from tierfs.cache.tier import Tier
@@ -85,3 +86,24 @@ async def test_chunk_placed_while_its_file_is_being_removed_survives(tmp_path: P
         assert cache.check() == []
         n.cancel_scope.cancel()
     cache.close()
+
+
+async def test_quiet_waits_for_a_busy_chunk(tmp_path: Path) -> None:
+    """A placement waiting for a punch of its chunk: ``_quiet`` returns once the punch is done
+    (it used to test a trio.Event for truth, which raises: the daemon died in test_c25)."""
+    cache, _, _ = make_cache(tmp_path, ram=8 * CS, ssd=16 * CS)
+    cid = ("k", 0)
+    busy = cache._tier_busy[(0, cid)] = trio.Event()
+    done = []
+
+    async def place() -> None:
+        await cache._quiet(0, cid)
+        done.append(True)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(place)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not done
+        del cache._tier_busy[(0, cid)]
+        busy.set()
+    assert done == [True]

@@ -505,7 +505,9 @@ class Cache:
     async def _quiet(self, t: int, cid: ChunkId) -> None:
         """Wait until no punch of ``cid`` and no removal of its file runs on tier ``t``."""
         while True:
-            busy = self._tier_busy.get((t, cid)) or self._tier_busy.get((t, cid[0]))
+            busy = self._tier_busy.get((t, cid))
+            if busy is None:  # (a trio.Event has no truth value: `a or b` raised, killing the daemon)
+                busy = self._tier_busy.get((t, cid[0]))
             if busy is None:
                 return
             await busy.wait()
