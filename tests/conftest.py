@@ -143,6 +143,19 @@ def force_unmount(m: Mount) -> None:
     fail_on_blocked_loop(blocked)
 
 
+def unmount_all(mounts: list[Mount]) -> None:
+    """:func:`force_unmount` each mount (all of them, even when one fails), then raise the
+    first failure."""
+    errors = []
+    for m in mounts:
+        try:
+            force_unmount(m)
+        except AssertionError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 @pytest.fixture
 def tiermount(tmp_path: Path) -> Iterator:
     """Factory: ``tiermount(ram="64MiB", ssd="128MiB", extra=[...])`` mounts ``tmp_path/back``
@@ -167,14 +180,7 @@ def tiermount(tmp_path: Path) -> Iterator:
     try:
         yield make
     finally:
-        errors = []
-        for m in mounts:
-            try:
-                force_unmount(m)
-            except AssertionError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        unmount_all(mounts)
 
 
 def join_all(procs: list, timeout: float) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, Mount, force_unmount, needs_fuse
+from tests.conftest import REPO, Mount, needs_fuse, unmount_all
 
 pytestmark = needs_fuse
 
@@ -145,14 +145,7 @@ def secmount(shared_dir: Path) -> Iterator:
     try:
         yield make
     finally:
-        errors = []
-        for m in mounts:
-            try:
-                force_unmount(m)
-            except AssertionError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        unmount_all(mounts)
 
 
 __all__ = ["REPO", "SYSTEM_PYTHON", "User", "hints_copy"]

@@ -22,7 +22,7 @@ import json
 import logging
 import re
 from collections.abc import Generator
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -200,9 +200,12 @@ def parse_steps(data: bytes) -> Generator[None, None, dict[str, Any]]:
     return req
 
 
-async def parse_request(data: bytes, pacer: Pacer | None = None) -> dict[str, Any]:
-    """:func:`parse_steps` driven on the event loop, paced (:class:`tierfs.io.Pacer`)."""
-    steps = parse_steps(data)
+_T = TypeVar("_T")
+
+
+async def drive(steps: Generator[None, None, _T], pacer: Pacer | None = None) -> _T:
+    """Run a step generator (``parse_steps``, ``encode_steps``) to its value on the event loop,
+    paced (:class:`tierfs.io.Pacer`)."""
     pacer = pacer or Pacer()
     while True:
         try:
@@ -212,14 +215,23 @@ async def parse_request(data: bytes, pacer: Pacer | None = None) -> dict[str, An
         await pacer.step()
 
 
-def parse_now(data: bytes) -> dict[str, Any]:
-    """:func:`parse_steps` run to the end at once (tests, tools)."""
-    steps = parse_steps(data)
+def run_now(steps: Generator[None, None, _T]) -> _T:
+    """A step generator run to its value at once (tests, tools)."""
     while True:
         try:
             next(steps)
         except StopIteration as done:
             return done.value  # type: ignore[no-any-return]
+
+
+async def parse_request(data: bytes, pacer: Pacer | None = None) -> dict[str, Any]:
+    """:func:`parse_steps` driven on the event loop, paced."""
+    return await drive(parse_steps(data), pacer)
+
+
+def parse_now(data: bytes) -> dict[str, Any]:
+    """:func:`parse_steps` run to the end at once (tests, tools)."""
+    return run_now(parse_steps(data))
 
 
 def encode_steps(reply: dict[str, Any]) -> Generator[None, None, bytes]:
@@ -241,14 +253,7 @@ def encode_steps(reply: dict[str, Any]) -> Generator[None, None, bytes]:
 
 async def encode_reply(reply: dict[str, Any], pacer: Pacer | None = None) -> bytes:
     """:func:`encode_steps` driven on the event loop, paced."""
-    steps = encode_steps(reply)
-    pacer = pacer or Pacer()
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        await pacer.step()
+    return await drive(encode_steps(reply), pacer)
 
 
 # -- the commands ---------------------------------------------------------------------------------
