@@ -160,9 +160,11 @@ class Throttle:
     _last: dict[str, float] = field(default_factory=dict)
     _held: dict[str, int] = field(default_factory=dict)
 
-    def log(self, logger: logging.Logger, level: int, key: str, msg: str, *args: Any) -> bool:
-        """Log ``msg % args`` unless a line of ``key`` was logged less than ``interval`` ago.
-        Returns True if it was logged."""
+    def log(self, logger: logging.Logger, level: int, key: str, msg: str, *args: Any,
+            exc_info: bool = False) -> bool:
+        """Log ``msg % args`` unless a line of ``key`` was logged less than ``interval`` ago
+        (``exc_info``: with the traceback of the exception being handled). Returns True if it
+        was logged."""
         if not logger.isEnabledFor(level):
             return False
         now = self.clock()
@@ -174,17 +176,18 @@ class Throttle:
         if held:
             msg += f" (and {held} more like it in the last {now - last:.0f}s)"  # type: ignore[operator]
         self._last[key] = now
-        logger.log(level, msg, *args)
+        logger.log(level, msg, *args, exc_info=exc_info)
         return True
 
 
 _THROTTLE = Throttle()
 
 
-def event(logger: logging.Logger, level: int, key: str, msg: str, *args: Any) -> bool:
+def event(logger: logging.Logger, level: int, key: str, msg: str, *args: Any,
+          exc_info: bool = False) -> bool:
     """Log a repeatable event through the daemon's :class:`Throttle` (one line per ``key`` per
     :data:`EVENT_INTERVAL_S`)."""
-    return _THROTTLE.log(logger, level, key, msg, *args)
+    return _THROTTLE.log(logger, level, key, msg, *args, exc_info=exc_info)
 
 
 @dataclass

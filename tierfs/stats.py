@@ -9,6 +9,7 @@ import dataclasses
 import time
 from typing import Any
 
+from tierfs import tasks
 from tierfs.cache.manager import Cache
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.writeback.manager import WriteBack
@@ -35,6 +36,8 @@ def build(
         "version": STATS_VERSION,
         "writeback": ws,
         "uptime_s": time.monotonic() - started,
+        # background steps that raised and were logged instead of ending the daemon, by kind
+        "background_task_failures": dict(tasks.failures),
         "backing": backing,
         "mountpoint": mountpoint,
         "chunk_size": chunk_size,

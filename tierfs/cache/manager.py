@@ -28,6 +28,7 @@ from typing import Any
 import trio
 import xxhash
 
+from tierfs import tasks
 from tierfs.cache.catalog import Catalog, ChunkEntry, SsdCatalog, tier_file_size
 from tierfs.cache.policy import ChunkId, Policy, Residency
 from tierfs.cache.tier import Tier, blocks
@@ -302,7 +303,8 @@ class Cache:
             finally:
                 self.background -= 1
 
-        self._nursery.start_soon(counted)
+        # guarded: a failed placement costs that chunk its tier copy, not the daemon
+        tasks.spawn(self._nursery, f"cache.{getattr(fn, '__name__', 'task')}", counted)
 
     # -- prefetch --------------------------------------------------------------------------
     def prefetch(self, f: BackingFile, indexes: list[int], klass: Klass = Klass.SPECULATIVE,

@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from tierfs import logevents
+from tierfs import logevents, tasks
 from tierfs.access import R_OK, ROOT, W_OK, Caller, Resolver, normalize
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.manager import Cache
@@ -459,12 +459,12 @@ class HintService:
     def file_opened(self, pid: int, rel: bytes) -> None:
         """Operations callback (must not block): learn; cancel a wrong prediction."""
         if self.predict_bytes and self._nursery is not None:
-            self._nursery.start_soon(self._opened, pid, rel)
+            tasks.spawn(self._nursery, "hints.file_opened", self._opened, pid, rel)
 
     def file_read_end(self, pid: int, rel: bytes) -> None:
         """Operations callback: ``pid``'s readahead reached the end of ``rel``."""
         if self.predict_bytes and self._nursery is not None:
-            self._nursery.start_soon(self._predict, pid, rel)
+            tasks.spawn(self._nursery, "hints.predict", self._predict, pid, rel)
 
     async def _listing(self, d: bytes) -> list[bytes] | None:
         now = trio.current_time()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from tierfs import logevents
+from tierfs import logevents, tasks
 from tierfs.errors import BackingIOError
 from tierfs.sched.backing import BackingFile
 
@@ -410,7 +410,13 @@ class TransactionScheduler:
                     req.result = part
                     self._chunks += 1
                     if self.on_fetched is not None:
-                        self.on_fetched(req, part)
+                        try:
+                            self.on_fetched(req, part)
+                        except Exception:  # noqa: BLE001 - the reader still gets its bytes
+                            tasks.failures["scheduler.on_fetched"] += 1
+                            logevents.event(log, logging.ERROR, "on-fetched-failed",
+                                            "staging a fetched chunk failed (the reader is served)",
+                                            exc_info=True)
             else:
                 req.error = error
             req.done.set()
