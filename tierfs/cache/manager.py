@@ -7,6 +7,9 @@ Invariants kept here (each is a test):
   area or the backing store;
 * a chunk being read in a device thread is pinned and is never evicted or moved under the
   reader; the kernel's page cache (and so every mapping) is never invalidated by eviction;
+* a file with a passthrough lease (:meth:`Cache.lease_resident`) keeps every chunk where it
+  is: no eviction, demotion, promotion, hole punch or removal of its tier file until the last
+  lease is released (the kernel reads that file directly);
 * only the scheduler reads the backing store.
 
 Concurrency: everything runs on the trio event loop; awaits happen only around device-thread
@@ -30,6 +33,7 @@ import xxhash
 
 from tierfs import tasks
 from tierfs.cache.catalog import Catalog, ChunkEntry, SsdCatalog, tier_file_size
+from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.policy import ChunkId, Policy, Residency
 from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import TierIOError
@@ -71,6 +75,17 @@ class AccessState:
     reading: tuple[str, int] | None = None
 
 
+@dataclass
+class _FilePin:
+    """A file whose tier file is leased (:meth:`Cache.lease_resident`): all its chunks sit
+    in tier ``tier`` and stay there. ``doomed``: the file changed (or its tier file failed)
+    while leased; its chunks are dropped at the last release."""
+
+    tier: int
+    size: int
+    doomed: bool = False
+
+
 @dataclass(frozen=True)
 class CacheStats:
     staging_bytes: int
@@ -86,6 +101,8 @@ class CacheStats:
     checksum_failures: int
     partial_fetches: int
     policy: str
+    leased_files: int = 0  # files with a passthrough lease now (all tiers)
+    passthrough_refusals: int = 0  # lease_resident answered None (not whole in one tier, ...)
 
 
 class Cache:
@@ -140,6 +157,10 @@ class Cache:
         self.background = 0  # placement/promotion tasks running (tests wait for 0)
         self._unread_prefetch: dict[ChunkId, int] = {}  # readahead placed in a tier, not read yet
         self._reading: dict[ChunkId, int] = {}  # chunk -> open handles reading it now (not evicted)
+        # Passthrough: leased tier files (tierfs.cache.lease) and the files they pin
+        self.leases = LeaseTable()
+        self._pinned: dict[str, _FilePin] = {}  # file key -> pin
+        self.passthrough_refusals = 0
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background placement and promotion tasks run in ``nursery`` (owned by the mount)."""
@@ -195,14 +216,18 @@ class Cache:
         prior = self.policy.freq.record(cid) if first_touch else self.policy.freq.get(cid) - 1
         if first_touch and self.plan is not None:
             self.plan.consume(cid)
+        skip_tier = False
         while True:
             entry = self.catalog.get(cid)
-            if entry is not None:
+            if entry is not None and not skip_tier:
                 data = await self._read_resident(cid, entry, start, n)
                 if data is not None:
                     self._count_hit(cid, entry, first_touch, n)
                     return data
-                continue  # the tier failed; the chunk was dropped: look again
+                # the tier failed; the chunk was dropped (look again), or, pinned by a
+                # passthrough lease, kept until the last release: read it elsewhere
+                skip_tier = self.catalog.get(cid) is entry
+                continue
             if first_touch:
                 for t in self.tiers:
                     t.misses += 1
@@ -249,12 +274,14 @@ class Cache:
         except TierIOError as e:
             log.warning("%s; dropping chunk %s/%d and reading elsewhere", e, cid[0], cid[1])
             tier.errors += 1
-            await self._drop_chunk(cid)
+            if not self._doom(cid[0]):  # (leased: dropped at the last release)
+                await self._drop_chunk(cid)
             return None
         if xxhash.xxh3_64_intdigest(whole) != entry.checksum:
             log.warning("checksum mismatch in tier %s for %s/%d: dropped", tier.name, *cid)
             self.checksum_failures += 1
-            await self._drop_chunk(cid)
+            if not self._doom(cid[0]):
+                await self._drop_chunk(cid)
             return None
         entry.verified = True
         return whole[start : start + n]
@@ -305,6 +332,141 @@ class Cache:
 
         # guarded: a failed placement costs that chunk its tier copy, not the daemon
         tasks.spawn(self._nursery, f"cache.{getattr(fn, '__name__', 'task')}", counted)
+
+    # -- passthrough leases ------------------------------------------------------------------
+    def resident_tier(self, f: BackingFile) -> int | None:
+        """The tier holding every byte of ``f`` now, current and verified, with no chunk of it
+        moving (being placed, demoted or promoted); None if there is none (an empty file, a
+        file split across tiers or partly resident, chunks of an SSD tier not yet verified
+        against their checksum since the mount). No I/O."""
+        if f.size <= 0 or f.stale:
+            return None
+        key = f.key
+        n = -(-f.size // self.chunk_size)
+        idxs = self.catalog.by_file.get(key)
+        if idxs is None or len(idxs) < n:
+            return None
+        tier: int | None = None
+        for idx in range(n):
+            cid = (key, idx)
+            entry = self.catalog.entries.get(cid)
+            if entry is None or not entry.verified or cid in self._moving:
+                return None
+            if tier is None:
+                tier = entry.tier
+            elif entry.tier != tier:
+                return None
+            want = min(self.chunk_size, f.size - idx * self.chunk_size)
+            if entry.length != want:
+                return None
+        return tier
+
+    async def lease_resident(self, f: BackingFile) -> Lease | None:
+        """A read-only lease on the tier file holding all of ``f`` (for kernel passthrough of
+        a read-only open), or None: the daemon serves the open as before.
+
+        Granted when every byte of the current version of ``f`` is resident, verified and in
+        one tier (:meth:`resident_tier`) and that tier file's ``st_size`` is exactly ``f.size``
+        (the kernel reads the backing file up to *its* size). From then until the last lease
+        of the file is released, its chunks are pinned: no eviction, demotion, promotion, hole
+        punch or removal of the tier file; capacity accounting is unchanged (the chunks stay
+        counted where they are). All concurrent leases of a file share one descriptor (opened
+        ``O_RDONLY | O_NOFOLLOW`` relative to the tier's verified directory), closed at the
+        last release.
+
+        Reads through the lease never reach the daemon: they count in the tier's
+        ``passthrough_opens`` and ``passthrough_bytes`` (``f.size`` per lease), not in its
+        hits, misses or ``bytes_served``. Never raises for a tier problem (None instead).
+        """
+        pin = self._pinned.get(f.key)
+        if pin is not None and pin.doomed:
+            return self._refuse()  # changed or failed while leased: nothing new on it
+        lkey = None
+        if pin is not None:
+            lkey = ("tier", self.tiers[pin.tier].name, f.key)
+            lease = await self.leases.share(lkey, tier=self.tiers[pin.tier].name, size=f.size,
+                                            writable=False)
+            if lease is not None:
+                self._count_lease(pin.tier, f.size)
+                return lease
+        t = self.resident_tier(f)
+        if t is None:
+            return self._refuse()
+        tier = self.tiers[t]
+        lkey = ("tier", tier.name, f.key)
+        if lkey in self.leases:  # another task is opening it (pinned already)
+            lease = await self.leases.share(lkey, tier=tier.name, size=f.size, writable=False)
+            if lease is None:
+                return self._refuse()
+            self._count_lease(t, f.size)
+            return lease
+        # Pinned before the first await: nothing can move a chunk of it from here on
+        self._pin(f.key, t, f.size)
+        self.leases.begin(lkey)
+        fd = -1
+        try:
+            fd = tier.open_readonly(f.key) if tier.inline else await self.devices[t].run(
+                tier.open_readonly, f.key)
+            size = os.fstat(fd).st_size  # an open descriptor: no I/O
+        except OSError as e:
+            log.warning("tier %s: cannot open the tier file of %s for passthrough: %s",
+                        tier.name, f.path, e)
+            size = -1
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self.leases.abort(lkey)
+            self._unpin(f.key)
+            raise
+        if size != f.size:
+            if fd >= 0:
+                os.close(fd)
+            self.leases.abort(lkey)
+            self._unpin(f.key)
+            return self._refuse()
+        self._count_lease(t, f.size)
+        return self.leases.finish(lkey, fd, tier=tier.name, size=f.size, writable=False,
+                                  on_last=partial(self._unpin, f.key))
+
+    def is_leased(self, key: str) -> bool:
+        """A passthrough lease holds the tier file of file identity ``key`` now."""
+        return key in self._pinned
+
+    def _refuse(self) -> Lease | None:
+        """Count a refused lease; None (for ``return self._refuse()``)."""
+        self.passthrough_refusals += 1
+        return None
+
+    def _count_lease(self, t: int, size: int) -> None:
+        tier = self.tiers[t]
+        tier.passthrough_opens += 1
+        tier.passthrough_bytes += size
+
+    def _pin(self, key: str, t: int, size: int) -> None:
+        self._pinned[key] = _FilePin(t, size)
+        tier = self.tiers[t]
+        tier.leased_files += 1
+        tier.leased_bytes += size
+
+    def _unpin(self, key: str) -> None:
+        """The last lease of ``key`` is gone (or its open failed): its chunks may move again;
+        a file doomed meanwhile is dropped now."""
+        pin = self._pinned.pop(key, None)
+        if pin is None:
+            return
+        tier = self.tiers[pin.tier]
+        tier.leased_files -= 1
+        tier.leased_bytes -= pin.size
+        if pin.doomed:
+            self._spawn(self.drop_file, key)
+
+    def _doom(self, key: str) -> bool:
+        """Mark a leased file to be dropped at its last release. False if it is not leased."""
+        pin = self._pinned.get(key)
+        if pin is None:
+            return False
+        pin.doomed = True
+        return True
 
     # -- prefetch --------------------------------------------------------------------------
     def prefetch(self, f: BackingFile, indexes: list[int], klass: Klass = Klass.SPECULATIVE,
@@ -412,7 +574,7 @@ class Cache:
                 n += 1
                 nbytes += len(staged.data)
             entry = self.catalog.get(cid)
-            if entry is not None and entry.pins == 0 and cid not in self._moving:
+            if entry is not None and entry.pins == 0 and cid not in self._moving and cid[0] not in self._pinned:
                 await self._drop_chunk(cid)
                 self.tiers[entry.tier].evictions += 1
                 n += 1
@@ -429,7 +591,7 @@ class Cache:
 
     # -- placement, eviction, promotion ----------------------------------------------------
     def _unmovable(self, cid: ChunkId) -> bool:
-        if cid in self._moving or cid in self._reading:
+        if cid in self._moving or cid in self._reading or cid[0] in self._pinned:
             return True
         entry = self.catalog.get(cid)
         return entry is None or entry.pins > 0
@@ -566,7 +728,7 @@ class Cache:
     async def _evict(self, t: int, cid: ChunkId) -> None:
         """Remove ``cid`` from tier ``t``, demoting it to a slower tier if one admits it."""
         entry = self.catalog.get(cid)
-        if entry is None or entry.tier != t or entry.pins or cid in self._moving:
+        if entry is None or entry.tier != t or entry.pins or cid in self._moving or cid[0] in self._pinned:
             return
         tier = self.tiers[t]
         data: bytes | None = None
@@ -578,6 +740,8 @@ class Cache:
                     data = await self.devices[t].run(tier.read, cid[0], cid[1] * self.chunk_size, entry.length)
             except TierIOError:
                 data = None
+            if cid[0] in self._pinned or self.catalog.get(cid) is not entry or cid in self._moving:
+                return  # leased (or moved) while its bytes were read: it stays
         await self._drop_chunk(cid)
         tier.evictions += 1
         if data is not None:
@@ -603,7 +767,7 @@ class Cache:
 
     async def _promote(self, cid: ChunkId) -> None:
         entry = self.catalog.get(cid)
-        if entry is None or entry.tier == 0 or cid in self._moving:
+        if entry is None or entry.tier == 0 or cid in self._moving or cid[0] in self._pinned:
             return
         src = entry.tier
         self._moving.add(cid)
@@ -615,8 +779,8 @@ class Cache:
                 return
             finally:
                 entry.pins -= 1
-            if self.catalog.get(cid) is not entry:
-                return  # dropped meanwhile (the file changed)
+            if self.catalog.get(cid) is not entry or cid[0] in self._pinned:
+                return  # dropped meanwhile (the file changed), or leased: it stays
             self._hold(cid, data)
             self.catalog.remove(cid)
             self.residency[src].remove(cid)
@@ -677,6 +841,8 @@ class Cache:
         the number of chunks dropped."""
         for cid in [c for c in self.staging if c[0] == key]:
             self._unstage(cid)
+        if self._doom(key):
+            return 0  # leased: the kernel reads its tier file; dropped at the last release
         idxs = self.catalog.chunks_of(key)
         for idx in idxs:
             entry = self.catalog.get((key, idx))
@@ -762,6 +928,7 @@ class Cache:
                 self.ssd_catalog.close()
         except Exception:  # noqa: BLE001 - teardown goes on; reconcile fixes it next mount
             log.exception("writing the SSD catalog at unmount failed")
+        self.leases.close_all()
         for tier in self.tiers:
             tier.close()
 
@@ -782,6 +949,16 @@ class Cache:
                 problems.append(f"{tier.name}: residency and catalog disagree")
         if self.staging_used != sum(len(s.data) for s in self.staging.values()):
             problems.append("staging accounting is off")
+        for key, pin in self._pinned.items():
+            if pin.doomed:
+                continue
+            n = -(-pin.size // self.chunk_size)
+            if any((e := self.catalog.get((key, i))) is None or e.tier != pin.tier for i in range(n)):
+                problems.append(f"leased file {key}: a chunk left tier {self.tiers[pin.tier].name}")
+        for t, tier in enumerate(self.tiers):
+            pins = [p for p in self._pinned.values() if p.tier == t]
+            if tier.leased_files != len(pins) or tier.leased_bytes != sum(p.size for p in pins):
+                problems.append(f"{tier.name}: leased_files/leased_bytes disagree with the pins")
         return problems
 
     def residency_of(self, key: str, size: int) -> dict[str, int]:
@@ -808,6 +985,8 @@ class Cache:
             checksum_failures=self.checksum_failures,
             partial_fetches=self.partial_fetches,
             policy=self.policy.name,
+            leased_files=len(self._pinned),
+            passthrough_refusals=self.passthrough_refusals,
         )
 
 

@@ -58,6 +58,12 @@ class TierStats:
     evictions: int
     errors: int
     full_events: int
+    # Passthrough (kernel reads the tier file directly; see tierfs.cache.lease). Such reads
+    # never reach the daemon: they are not in hits, misses or bytes_served.
+    passthrough_opens: int = 0  # leases handed out (each open passed through counts)
+    passthrough_bytes: int = 0  # bytes made available by them (the file's size, per open)
+    leased_files: int = 0  # files with a lease now (their chunks are pinned)
+    leased_bytes: int = 0  # bytes of those files (pinned in this tier now)
 
 
 class Tier:
@@ -101,6 +107,10 @@ class Tier:
         self.evictions = 0
         self.errors = 0
         self.full_events = 0
+        self.passthrough_opens = 0
+        self.passthrough_bytes = 0
+        self.leased_files = 0
+        self.leased_bytes = 0
         self.dir_fd = private.open_dir(path) if dir_fd is None else dir_fd
         self.data_fd = private.subdir(self.dir_fd, "data", os.path.join(path, "data"))
         self._buckets: dict[str, int] = {}  # data/<xx>/ directory fds (at most 256)
@@ -214,6 +224,15 @@ class Tier:
         except OSError:
             self.errors += 1
 
+    def open_readonly(self, key: str) -> int:
+        """A new read-only descriptor of the tier file of ``key`` (for a passthrough lease),
+        opened relative to the verified bucket directory with ``O_NOFOLLOW``: only a regular
+        file of the daemon's user with one link (:func:`tierfs.private.open_file`). The caller
+        closes it. Raises OSError (ENOENT: no such tier file)."""
+        with self._fd_lock:
+            bucket = self._bucket(key)
+        return private.open_file(bucket, key, os.O_RDONLY, create=False)
+
     def remove_file(self, key: str) -> None:
         with self._fd_lock:
             ent = self._fds.pop(key, None)
@@ -274,4 +293,6 @@ class Tier:
             chunks=self.chunks, hits=self.hits, misses=self.misses, bytes_served=self.bytes_served,
             promotions=self.promotions, demotions=self.demotions, evictions=self.evictions,
             errors=self.errors, full_events=self.full_events,
+            passthrough_opens=self.passthrough_opens, passthrough_bytes=self.passthrough_bytes,
+            leased_files=self.leased_files, leased_bytes=self.leased_bytes,
         )

@@ -20,6 +20,16 @@ Each dirty file moves through :class:`~tierfs.writeback.state.DirtyState` by
 :class:`~tierfs.writeback.journal.Journal` before its effect, so
 :func:`tierfs.writeback.recovery.recover` can resume after ``kill -9``.
 
+Passthrough (:meth:`WriteBack.lease_data`): a FUSE transport may hand a data file to the
+kernel, which then reads and writes it without the daemon. Such writes are taken in by
+:meth:`WriteBack.after_passthrough_write` (size, generation, room in the tier), which the FUSE
+layer calls at flush, fsync and release of a writable passthrough handle; a write-back of a
+file passthrough writers may have changed checks the data file's size and times before it
+commits, so a copy that raced such a write never marks the file clean. While any lease of a
+data file is held, the file never switches to write-through (the kernel holds the data file):
+if the tier cannot hold it, it overruns the tier's capacity (counted, logged) and is written
+back as soon as its writers close.
+
 Every backing-store access goes through a :class:`~tierfs.backing_tree.BackingTree`
 (:mod:`tierfs.writeback.backing_ops`): temporary
 files are created ``O_CREAT | O_EXCL | O_NOFOLLOW`` under an unpredictable name, in-place and
@@ -45,6 +55,7 @@ import trio
 
 from tierfs import logevents, private
 from tierfs.backing_tree import BackingTree
+from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import BackingIOError
 from tierfs.io import Device, pread_exact, pwrite_all
@@ -81,6 +92,11 @@ TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted fil
 # filesystem tierfs is meant for holds 4 GiB; FAT32's limit is 4 GiB - 1, close enough: its
 # write-back then fails and is reported).
 PROBE_FROM = 1 << 32
+# A writable passthrough lease needs this share of the write tier free of dirty data (clean
+# chunks can be evicted), and as much free space in the tier's filesystem: the kernel writes
+# without asking the daemon, which can then neither switch the file to write-through nor stop
+# at the tier's capacity (see WriteBack.lease_data).
+WRITE_LEASE_ROOM_DIVISOR = 8
 
 __all__ = ["TMP_PREFIX", "DirtyFile", "DirtyState", "WriteBack", "WriteBackStats", "is_tmp_name"]
 
@@ -128,6 +144,14 @@ class DirtyFile:
     drained: trio.Event | None = None
     retired_fds: list[int] = field(default_factory=list)  # replaced while pinned: closed at zero pins
     wb_done: trio.Event | None = None  # set when the write-back in flight ends
+    # Passthrough (WriteBack.lease_data): leases of the data file held now (any / writable);
+    # ``pt_written``: a writable lease was ever granted, so the data file may hold writes the
+    # daemon did not see; ``pt_seen``: (size, mtime_ns, ctime_ns) of the data file when they
+    # were last taken in (WriteBack._absorb)
+    leases: int = 0
+    lease_writers: int = 0
+    pt_written: bool = False
+    pt_seen: tuple[int, int, int] | None = None
 
     def advance(self, new: DirtyState) -> None:
         """Move to ``new``; raises IllegalTransition for a move the state diagram lacks."""
@@ -160,7 +184,7 @@ def _pins_df(fn):  # type: ignore[no-untyped-def]
     return wrapper
 
 
-def _drain(receive: trio.MemoryReceiveChannel[str]) -> list[str]:
+def _drain(receive: trio.MemoryReceiveChannel[str | int]) -> list[str | int]:
     out = []
     while True:
         try:
@@ -186,6 +210,15 @@ def _close_released(df: DirtyFile, remove: Callable[[str, int], None]) -> None:
         return  # an unlinked write-through file: its temporary file is removed by _discard
     if not df.through:
         remove(df.data_path, df.size)
+
+
+def _remove_item(item: str | int) -> None:
+    """A removal queued for the device thread: a data file's path (unlinked) or a lease's
+    descriptor whose close frees an unlinked file (closed)."""
+    if isinstance(item, int):
+        os.close(item)
+    else:
+        _unlink_quiet(item)
 
 
 class _Timed:
@@ -226,6 +259,14 @@ class WriteBackStats:
     quarantined: int = 0  # journal rows recovery could not honour (kept, see `tierfs doctor`)
     quarantined_paths: tuple[str, ...] = ()  # their paths (the first QUARANTINE_LISTED)
     journal_errors: int = 0  # journal writes that failed (disk full): the file stayed as it was
+    # Passthrough of data files (WriteBack.lease_data). Writes through such leases never reach
+    # the daemon: they are not in fuse.write_requests.
+    passthrough_opens: int = 0  # data-file leases handed out (read-only and writable)
+    passthrough_writable_opens: int = 0  # of which writable
+    passthrough_refusals: int = 0  # lease_data answered None (the daemon serves the open)
+    passthrough_changes: int = 0  # times a data file was found changed behind the daemon
+    passthrough_overrun_bytes: int = 0  # bytes passthrough writers put over the tier's capacity
+    leased_files: int = 0  # dirty files with a lease now
 
 
 QUARANTINE_LISTED = 20  # paths listed in the statistics (the journal keeps every row)
@@ -261,6 +302,13 @@ def _unlink_quiet(path: bytes | str) -> None:
         pass
 
 
+def _fingerprint(st: os.stat_result) -> tuple[int, int, int]:
+    """What a write behind the daemon changes in a data file: size, mtime and ctime. The
+    ctime moves at every ``write`` (multigrain timestamps, Linux 6.13+, give it a fresh value
+    once it was looked at), and no user can set it."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class WriteBack:
     """Args:
         backing_root: the backing directory. tree: its :class:`BackingTree` (one is opened
@@ -283,7 +331,7 @@ class WriteBack:
         self._own_tree = tree is None
         self.tree = tree if tree is not None else BackingTree(backing_root)
         self._lock_fd = lock_backing(self.tree)
-        self._removals: trio.MemorySendChannel[str] | None = None  # set while run() runs
+        self._removals: trio.MemorySendChannel[str | int] | None = None  # set while run() runs
         self.tier = tier
         self.tier_index = tier_index
         self.device = device
@@ -318,6 +366,13 @@ class WriteBack:
         # What probes of the backing filesystem's largest file found (:meth:`_check_file_size`)
         self._size_ok = PROBE_FROM
         self._size_too_big = math.inf
+        # Passthrough leases of data files (tierfs.cache.lease)
+        self.leases = LeaseTable(close=self._close_lease_fd)
+        self.passthrough_opens = 0
+        self.passthrough_writable_opens = 0
+        self.passthrough_refusals = 0
+        self.passthrough_changes = 0
+        self.passthrough_overrun_bytes = 0
 
     # -- lookup ----------------------------------------------------------------------------
     def get(self, path: bytes) -> DirtyFile | None:
@@ -541,8 +596,12 @@ class WriteBack:
             if not df.through and need > 0:
                 self._check_backing_room(need)
                 if not await self._charge(df, need):
-                    await self.to_through(df)
-                    continue
+                    if df.leases:
+                        # the kernel holds the data file (passthrough): it cannot move now
+                        self._overrun(df, need)
+                    else:
+                        await self.to_through(df)
+                        continue
             if df.excl is not None:
                 continue  # a switch began while room was being made: look again after it
             df.inflight += 1
@@ -568,8 +627,8 @@ class WriteBack:
                 try:
                     await self.data_device.run(pwrite_all, df.fd, data, offset)
                 except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT) or df.leases:
+                        raise  # (leased: the data file cannot move; its writers see ENOSPC too)
                     # The tier's filesystem filled from outside: write through instead.
                     self._leave(df)
                     entered = False
@@ -595,6 +654,8 @@ class WriteBack:
         # Not gated: a read never waits for a switch or a commit (an fsync of a large file).
         # The pin keeps the descriptor it takes open even if a switch replaces it meanwhile
         # (the old one holds everything written before the switch began).
+        if df.lease_writers:
+            self._absorb(df)  # the size may have moved behind the daemon
         if offset >= df.size:
             return b""
         size = min(size, df.size - offset)
@@ -631,7 +692,19 @@ class WriteBack:
             df.writers -= 1
 
     async def stat(self, df: DirtyFile) -> os.stat_result:
-        return os.fstat(df.fd)  # fstat of an open fd: no I/O
+        """The dirty file's attributes: the data file's own (size and mtime are right at once
+        also while passthrough writers write it). fstat of an open fd: no I/O."""
+        st = os.fstat(df.fd)
+        if df.lease_writers and not df.through:
+            self._absorb(df, st)
+        return st
+
+    def size_of(self, df: DirtyFile) -> int:
+        """The dirty file's size now (cheap: an fstat while passthrough writers hold it,
+        else the size the daemon knows). For ``O_APPEND`` offsets and short reads."""
+        if df.lease_writers and not df.through and df.fd >= 0:
+            self._absorb(df)
+        return df.size
 
     @_pins_df
     async def set_attrs(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
@@ -852,6 +925,184 @@ class WriteBack:
         if self.fsync_backing:
             await self.wait_durable([df], timeout=math.inf)
 
+    # -- passthrough -----------------------------------------------------------------------
+    async def lease_data(self, df: DirtyFile, writable: bool) -> Lease | None:
+        """A lease on ``df``'s data file in the write tier, for kernel passthrough of an open
+        of the dirty file (``writable``: an open for writing; the descriptor is then
+        ``O_RDWR``, else ``O_RDONLY``), or None: the daemon serves the open as before.
+
+        All concurrent leases of ``df`` with the same ``writable`` share one descriptor
+        (opened relative to the private ``dirty/`` directory with ``O_NOFOLLOW``, a regular
+        file with one link), closed at the last release.
+
+        Refused (None) when the bytes are not in the data file or are about to leave it: the
+        file is written through, switching, gone, or (``writable``) clean - a write to a clean
+        file makes a new dirty copy first, so the FUSE layer leases that one. A writable lease
+        is also refused when the write tier has less than 1/``WRITE_LEASE_ROOM_DIVISOR`` of its
+        capacity free of dirty data, or its filesystem less free space than that, or the
+        backing store could not take that much more (the daemon then serves the writes, and
+        switches the file to write-through or answers ENOSPC as documented).
+
+        While any lease of ``df`` is held the file never switches to write-through; what the
+        tier cannot hold overruns its capacity (``passthrough_overrun_bytes``) and the file is
+        written back as soon as its writers close. The caller must call
+        :meth:`after_passthrough_write` at flush, fsync and release of a writable passthrough
+        handle, and release the lease before :meth:`closed`. Never raises for a tier problem.
+        """
+        if not self._leasable(df, writable):
+            return self._refuse()
+        if writable and not await self._room_for_write_lease():
+            return self._refuse()
+        lkey = ("data", df.id, writable)
+        on_release = partial(self._lease_released, df, writable)
+        lease = await self.leases.share(lkey, tier=self.tier.name, size=df.size, writable=writable,
+                                        on_release=on_release)
+        if lease is None:
+            if not self._leasable(df, writable):
+                return self._refuse()
+            self.leases.begin(lkey)
+            flags = os.O_RDWR if writable else os.O_RDONLY
+            try:
+                fd = await self.device.run(partial(private.open_file, self.dirty_fd,
+                                                   os.path.basename(df.data_path), flags,
+                                                   create=False, attrs=False))
+            except OSError as e:
+                self.leases.abort(lkey)
+                log.warning("cannot open the data file of %s for passthrough: %s",
+                            logevents.user_text(_name(df)), e)
+                return self._refuse()
+            except BaseException:
+                self.leases.abort(lkey)
+                raise
+            if not self._leasable(df, writable):  # switched or gone while it was opened
+                os.close(fd)
+                self.leases.abort(lkey)
+                return self._refuse()
+            lease = self.leases.finish(lkey, fd, tier=self.tier.name, size=df.size,
+                                       writable=writable, on_release=on_release)
+        elif not self._leasable(df, writable):
+            lease.release()
+            return self._refuse()
+        # granted: from here on synchronously (no await) up to the counts
+        df.leases += 1
+        self.passthrough_opens += 1
+        if writable:
+            df.lease_writers += 1
+            df.pt_written = True
+            self.passthrough_writable_opens += 1
+            if df.pt_seen is None:
+                df.pt_seen = _fingerprint(os.fstat(df.fd))  # what the daemon knows so far
+        lease.size = df.size
+        return lease
+
+    def _leasable(self, df: DirtyFile, writable: bool) -> bool:
+        ok = (DirtyState.DIRTY, DirtyState.WRITING) if writable else (
+            DirtyState.DIRTY, DirtyState.WRITING, DirtyState.CLEAN)
+        return (df.state in ok and not df.through and df.fd >= 0 and df.excl is None
+                and not df.close_pending)
+
+    def _refuse(self) -> Lease | None:
+        """Count a refused lease; None (for ``return self._refuse()``)."""
+        self.passthrough_refusals += 1
+        return None
+
+    async def _room_for_write_lease(self) -> bool:
+        tier = self.tier
+        need = max(tier.capacity // WRITE_LEASE_ROOM_DIVISOR, 1)
+        if tier.effective_capacity - tier.dirty < need:
+            return False
+        try:
+            self._check_backing_room(need)
+            sv = await self.device.run(os.statvfs, tier.path)
+        except OSError:
+            return False
+        return sv.f_bavail * sv.f_frsize >= need
+
+    def _lease_released(self, df: DirtyFile, writable: bool) -> None:
+        df.leases -= 1
+        if writable:
+            df.lease_writers -= 1
+
+    def _close_lease_fd(self, fd: int) -> None:
+        """Close a data-file lease's descriptor at its last release: in the tier's device
+        thread when that close frees a big unlinked file (the last reference; see
+        :meth:`_remove_data`), else here."""
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            st = None
+        if st is not None and st.st_nlink == 0 and st.st_size >= BIG_UNLINK_BYTES and self._removals is not None:
+            self._removals.send_nowait(fd)
+        else:
+            os.close(fd)
+
+    def _absorb(self, df: DirtyFile, st: os.stat_result | None = None) -> bool:
+        """Take in what passthrough writers changed in ``df``'s data file: if its size, mtime
+        or ctime moved since last seen, ``df.size`` follows and the generation is bumped (a
+        write-back in flight then starts again; a clean file becomes dirty). Returns True if
+        it changed. fstat of an open descriptor: no I/O."""
+        if df.through or df.fd < 0:
+            return False
+        if st is None:
+            st = os.fstat(df.fd)
+        fp = _fingerprint(st)
+        if fp == df.pt_seen:
+            return False
+        df.pt_seen = fp
+        df.size = st.st_size
+        df.touch()
+        self.passthrough_changes += 1
+        return True
+
+    async def after_passthrough_write(self, df: DirtyFile) -> None:
+        """Take in writes made through a writable passthrough lease of ``df`` (the FUSE layer
+        calls it at flush, fsync - before :meth:`fsync` - and release of such a handle): size
+        and mtime from the data file (``df.size``), a new generation (so a write-back copies
+        them; one in flight starts again), and the write tier charged for what the file now
+        occupies (evicting clean chunks; past the tier's capacity if it must: the file is then
+        written back as soon as its writers close, and the overrun counted and logged).
+
+        Raises:
+            OSError: ENOSPC when the backing store cannot take the bytes the file grew by
+                (as a daemon-served write would; the bytes stay in the write tier and the
+                write-back is retried).
+        """
+        if df.through or df.fd < 0 or df.state is DirtyState.GONE or not df.pt_written:
+            return
+        if not self._absorb(df):
+            return
+        alloc = _allocated(df.fd, df.size)  # fstat of an open descriptor: no I/O
+        need = alloc - df.accounted
+        if need <= 0:
+            self._charge_down(df, alloc)
+            return
+        err: OSError | None = None
+        try:
+            self._check_backing_room(need)
+        except OSError as e:
+            err = e
+        if not await self._charge(df, need):
+            self._overrun(df, need)
+        if err is not None:
+            raise err
+
+    def _overrun(self, df: DirtyFile, need: int) -> None:
+        """Charge ``need`` bytes the write tier cannot hold to a leased file anyway (its
+        writers put them there behind the daemon, or the file cannot switch to write-through
+        while the kernel holds it): counted, logged, and the file made due at once so its
+        write-back gives the room back after its writers close."""
+        self.tier.dirty += need
+        df.accounted += need
+        self.passthrough_overrun_bytes += need
+        self.tier.full_events += 1
+        df.deadline = min(df.deadline, trio.current_time())
+        self._wake.set()
+        logevents.event(log, logging.WARNING, "write-tier-overrun",
+                        "write tier %s over its capacity by %s: %s is written by the kernel "
+                        "directly (passthrough) and cannot switch to write-through; written back "
+                        "as soon as it is closed", self.tier.name,
+                        format_size(max(0, -self.tier.room())), logevents.user_text(_name(df)))
+
     # -- durability ------------------------------------------------------------------------
     def _notify(self, df: DirtyFile, gen: float) -> None:
         keep = []
@@ -871,6 +1122,8 @@ class WriteBack:
         waited = []
         now = trio.current_time()
         for df in todo:
+            if df.lease_writers:
+                self._absorb(df)  # passthrough writes so far count as "as they are now"
             if df.path is None or df.durable_gen >= df.gen or df.state is DirtyState.CLEAN:
                 continue
             ev = trio.Event()
@@ -894,7 +1147,7 @@ class WriteBack:
         from tierfs.writeback.worker import run
 
         # unbounded: one short path per released file, each removed within a device call
-        send, receive = trio.open_memory_channel[str](math.inf)
+        send, receive = trio.open_memory_channel[str | int](math.inf)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._remover, receive)
             self._removals = send
@@ -902,8 +1155,8 @@ class WriteBack:
                 await run(self, task_status=task_status)
             finally:
                 self._removals = None
-                for data_path in _drain(receive):  # shutdown: what is left, inline
-                    _unlink_quiet(data_path)
+                for item in _drain(receive):  # shutdown: what is left, inline
+                    _remove_item(item)
 
     def _failed(self, df: DirtyFile, e: BaseException) -> None:
         self.failures += 1
@@ -995,9 +1248,9 @@ class WriteBack:
         else:
             self._removals.send_nowait(data_path)
 
-    async def _remover(self, receive: trio.MemoryReceiveChannel[str]) -> None:
-        async for data_path in receive:
-            await self.device.run(_unlink_quiet, data_path)
+    async def _remover(self, receive: trio.MemoryReceiveChannel[str | int]) -> None:
+        async for item in receive:
+            await self.device.run(_remove_item, item)
 
     # -- recovery --------------------------------------------------------------------------
     async def _reopen_data(self, data_path: str) -> int:
@@ -1015,6 +1268,7 @@ class WriteBack:
         return await recover(self)
 
     def close(self) -> None:
+        self.leases.close_all()
         for df in list(self.files.values()):
             _close_retired(df)
             if df.fd >= 0:
@@ -1035,7 +1289,9 @@ class WriteBack:
         now_m = time.monotonic()
         dirty = [df for df in self.files.values()
                  if df.state not in (DirtyState.CLEAN, DirtyState.GONE) and df.path is not None]
-        dirty_bytes = sum(df.size for df in dirty)
+        # (passthrough writers grow a file behind the daemon: its data file's size, no I/O)
+        dirty_bytes = sum(os.fstat(df.fd).st_size if df.lease_writers and not df.through else df.size
+                          for df in dirty)
         thr = self.device_bytes / self.device_seconds if self.device_seconds > 0 else 0.0
         deadlines = [df.deadline for df in dirty if df.deadline < math.inf]
         now_t = trio.current_time()
@@ -1057,4 +1313,10 @@ class WriteBack:
             quarantined=len(self.quarantined),
             quarantined_paths=tuple(self.quarantined[:QUARANTINE_LISTED]),
             journal_errors=self.journal_errors,
+            passthrough_opens=self.passthrough_opens,
+            passthrough_writable_opens=self.passthrough_writable_opens,
+            passthrough_refusals=self.passthrough_refusals,
+            passthrough_changes=self.passthrough_changes,
+            passthrough_overrun_bytes=self.passthrough_overrun_bytes,
+            leased_files=sum(df.leases > 0 for df in self.files.values()),
         )

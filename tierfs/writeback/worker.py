@@ -84,7 +84,14 @@ async def write_back(wb: WriteBack, df: DirtyFile) -> None:
 
 async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
     """DIRTY -> WRITING -> CLEAN (or back to DIRTY): copy one generation to a fresh
-    temporary file (its name journaled first), fsync, rename into place."""
+    temporary file (its name journaled first), fsync, rename into place.
+
+    A file passthrough writers may have changed (``df.pt_written``) is looked at first (its
+    size and times, :meth:`WriteBack._absorb`) and again just before the commit: a write that
+    landed behind the daemon during the copy makes it a new generation, so this copy is
+    dropped and the file stays dirty (never marked clean with an older content)."""
+    if df.pt_written:
+        wb._absorb(df)
     gen = df.gen
     path0 = df.path
     df.advance(DirtyState.WRITING)
@@ -122,6 +129,8 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
                 raise
             await wb._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
             async with df.commit_lock:
+                if df.pt_written:
+                    wb._absorb(df)
                 wb._check(df, gen)
                 assert df.path is not None and df.tmp is not None
                 st = cast("os.stat_result", await wb._io(
@@ -130,6 +139,8 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
     except _Abort:
         pass
     except (OSError, TierfsError) as e:
+        if df.pt_written:
+            wb._absorb(df)  # (a torn copy of a file written behind us may fail: not its fault)
         if df.path == path0 and df.gen == gen:
             wb._failed(df, e)
         # else renamed (its directory too) or changed meanwhile: start again, not a failure
@@ -151,6 +162,8 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
                 wb._writing_in.pop(tmp_dir, None)
             settled.set()
     if st is not None:
+        if df.pt_written:
+            wb._absorb(df)  # in place: written behind us meanwhile -> not clean, copied again
         wb._finish_success(df, gen, st, copied)
 
 
