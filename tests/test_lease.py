@@ -169,6 +169,7 @@ async def test_concurrent_leases_share_one_descriptor(tmp_path: Path, autojump_c
         await read_whole(cache, f)
         await settle(cache)
         leases = []
+        freq0 = cache.policy.freq.get((f.key, 0))
 
         async def take() -> None:
             leases.append(await cache.lease_resident(f))
@@ -181,6 +182,8 @@ async def test_concurrent_leases_share_one_descriptor(tmp_path: Path, autojump_c
         assert len(fds) == 1
         fd = fds.pop()
         assert cache.tiers[0].passthrough_opens == 5 and cache.tiers[0].leased_files == 1
+        # each open stands for one pass over the file, for the eviction policy
+        assert cache.policy.freq.get((f.key, 0)) == freq0 + 5
         for lease in leases[:-1]:
             lease.release()  # type: ignore[union-attr]
             lease.release()  # type: ignore[union-attr]

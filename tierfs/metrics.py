@@ -57,6 +57,11 @@ TIER: list[Spec] = [
     ("evictions", "tier_evictions", C, "Chunks evicted from the tier."),
     ("errors", "tier_errors", C, "I/O errors of the tier's device."),
     ("full_events", "tier_full_events", C, "Times the tier had no room for a chunk."),
+    ("passthrough_opens", "tier_passthrough_opens", C,
+     "Opens the kernel reads straight from the tier file (passthrough; not in hits)."),
+    ("passthrough_bytes", "tier_passthrough_bytes", C, "Bytes made available by passthrough opens."),
+    ("leased_files", "tier_leased_files", G, "Files held by passthrough opens now (pinned)."),
+    ("leased_bytes", "tier_leased_bytes", G, "Bytes of those files."),
 ]
 STAGING: list[Spec] = [
     ("used_bytes", "staging_used_bytes", G, "Daemon memory holding fetched chunks not in a tier."),
@@ -69,6 +74,8 @@ CACHE: list[Spec] = [
     ("bypassed", "cache_bypassed", C, "Chunks no tier admitted."),
     ("checksum_failures", "cache_checksum_failures", C, "SSD tier chunks dropped on a checksum mismatch."),
     ("partial_fetches", "cache_partial_fetches", C, "Fetches that read less than a chunk."),
+    ("passthrough_refusals", "cache_passthrough_refusals", C,
+     "Read-only opens not passed through (the file was not whole in one tier)."),
 ]
 SERVED_FROM = {"bytes_served_from_tiers": "tiers", "bytes_served_from_staging": "staging",
                "bytes_served_from_backing": "backing"}
@@ -102,6 +109,13 @@ WRITEBACK: list[Spec] = [
     ("late_files", "writeback_late_files", G, "Closed files still dirty past writeback_deadline."),
     ("quarantined", "writeback_quarantined_files", G, "Journal entries crash recovery could not honour (kept)."),
     ("journal_errors", "writeback_journal_errors", C, "Journal writes that failed (disk full)."),
+    ("passthrough_opens", "writeback_passthrough_opens", C, "Opens of dirty files passed through to their data file."),
+    ("passthrough_writable_opens", "writeback_passthrough_writable_opens", C, "Of which open for writing."),
+    ("passthrough_refusals", "writeback_passthrough_refusals", C, "Opens of dirty files not passed through."),
+    ("passthrough_changes", "writeback_passthrough_changes", C, "Times a data file was found written behind the daemon."),
+    ("passthrough_overrun_bytes", "writeback_passthrough_overrun_bytes", C,
+     "Bytes passthrough writers put past the write tier's capacity."),
+    ("leased_files", "writeback_leased_files", G, "Dirty files held by passthrough opens now."),
 ]
 DEVICE: list[Spec] = [
     ("inline_calls", "device_inline_calls", C, "Blocking calls run inline on the event loop."),

@@ -73,6 +73,10 @@ def build(
             "bypassed": cs.bypassed,
             "checksum_failures": cs.checksum_failures,
             "partial_fetches": cs.partial_fetches,
+            # passthrough (tiers[].passthrough_*): reads the kernel serves from a tier file never
+            # reach the daemon and are in none of the hit or byte counts above
+            "leased_files": cs.leased_files,
+            "passthrough_refusals": cs.passthrough_refusals,
         },
         "scheduler": {
             "queued": ss.queued,

@@ -387,7 +387,7 @@ class Cache:
             lease = await self.leases.share(lkey, tier=self.tiers[pin.tier].name, size=f.size,
                                             writable=False)
             if lease is not None:
-                self._count_lease(pin.tier, f.size)
+                self._count_lease(f, pin.tier)
                 return lease
         t = self.resident_tier(f)
         if t is None:
@@ -398,7 +398,7 @@ class Cache:
             lease = await self.leases.share(lkey, tier=tier.name, size=f.size, writable=False)
             if lease is None:
                 return self._refuse()
-            self._count_lease(t, f.size)
+            self._count_lease(f, t)
             return lease
         # Pinned before the first await: nothing can move a chunk of it from here on
         self._pin(f.key, t, f.size)
@@ -424,7 +424,7 @@ class Cache:
             self.leases.abort(lkey)
             self._unpin(f.key)
             return self._refuse()
-        self._count_lease(t, f.size)
+        self._count_lease(f, t)
         return self.leases.finish(lkey, fd, tier=tier.name, size=f.size, writable=False,
                                   on_last=partial(self._unpin, f.key))
 
@@ -437,10 +437,20 @@ class Cache:
         self.passthrough_refusals += 1
         return None
 
-    def _count_lease(self, t: int, size: int) -> None:
+    def _count_lease(self, f: BackingFile, t: int) -> None:
+        """Count a passthrough open of ``f`` (in tier ``t``). The kernel will read it without
+        telling the daemon, so the open stands for one pass over the file: each chunk counts
+        one access for the eviction policy (frequency, recency) and uses up its next planned
+        use in the hint plan, as a read through the daemon would."""
         tier = self.tiers[t]
         tier.passthrough_opens += 1
-        tier.passthrough_bytes += size
+        tier.passthrough_bytes += f.size
+        for idx in range(-(-f.size // self.chunk_size)):
+            cid = (f.key, idx)
+            self.policy.freq.record(cid)
+            self.residency[t].touch(cid)
+            if self.plan is not None:
+                self.plan.consume(cid)
 
     def _pin(self, key: str, t: int, size: int) -> None:
         self._pinned[key] = _FilePin(t, size)
