@@ -75,3 +75,10 @@ class HintDenied(TierfsError):
     "perm"}``, never a FUSE error. The message names what was refused."""
 
     errno = _errno.EACCES
+
+
+class DirtyLimit(TierfsError):
+    """A user other than root holds as many dirty files as one user may (each keeps one of the
+    daemon's descriptors until it is written back); answered as EDQUOT."""
+
+    errno = _errno.EDQUOT
