@@ -1,6 +1,6 @@
 """Typed errors of tierfs.
 
-Inner layers raise these; only the FUSE boundary (:mod:`tierfs.fs.operations`) maps them to an
+Inner layers raise these; only the FUSE boundary (:mod:`tierfs.fs.handlers`) maps them to an
 errno, and only the CLI turns :class:`ConfigError` / :class:`MountError` into a one-line message.
 """
 
