@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import trio
 
-from tierfs import logevents
+from tierfs import logevents, tasks
 from tierfs.access import Caller, caller_of
 from tierfs.fs.api import Attr, DirEmit, FuseError, OpenReply, RequestCtx
 from tierfs.fs.handles import ControlHandle, HandleTable
@@ -208,7 +208,7 @@ class ControlPlane:
             if nursery is None:
                 await self._answer(h, cf.command, request, h.caller, answered)
             else:
-                nursery.start_soon(self._answer, h, cf.command, request, h.caller, answered)
+                tasks.spawn(nursery, "control.answer", self._answer, h, cf.command, request, h.caller, answered)
         return len(buf)
 
     async def _answer(self, h: ControlHandle, command: Command, request: bytearray, caller: Caller,

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import trio
 
-from tierfs import logevents
+from tierfs import logevents, tasks
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.manager import Cache
 from tierfs.errors import TierfsError
@@ -322,7 +322,7 @@ class Handlers:
             logevents.event(log, logging.INFO, "backing-changed",
                             "backing file changed: %s; dropping its cached chunks", logevents.user_text(bf.path))
             if self.nursery is not None and old is not None:
-                self.nursery.start_soon(self.cache.drop_file, old)
+                tasks.spawn(self.nursery, "cache.drop_file", self.cache.drop_file, old)
         entry.last_key = key
         return OpenReply(self.handles.add(h), keep_cache=not changed)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from tierfs import tasks
 from tierfs.backing_tree import BackingTree, proc_path, split
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.fs.api import RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, FuseError, RequestCtx, SetAttr
@@ -532,7 +533,7 @@ class Namespace:
             entry.orphan = None
         if getattr(entry, "kept", False) and entry.dirty is not None and self.nursery is not None:
             entry.kept = False  # type: ignore[attr-defined]
-            self.nursery.start_soon(self.wb.unkeep, entry.dirty)
+            tasks.spawn(self.nursery, "writeback.unkeep", self.wb.unkeep, entry.dirty)
 
     def on_clean(self, df: DirtyFile, st: os.stat_result | None) -> None:
         entry = self.inodes.by_inode.get(df.inode)
@@ -545,4 +546,4 @@ class Namespace:
             entry.last_key = Identity.of(key_path(self.tree.root, df.path), st).key
             if old is not None and old != entry.last_key and self.nursery is not None:
                 # the cached chunks of the content before this write are stale: free them now
-                self.nursery.start_soon(self.cache.drop_file, old)
+                tasks.spawn(self.nursery, "cache.drop_file", self.cache.drop_file, old)
