@@ -13,15 +13,15 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from tierfs.fs.handlers import Handlers
 from tierfs.fs.handles import DirHandle, FileHandle
-from tierfs.fs.operations import Operations
 
 
 class Boom(RuntimeError):
     pass
 
 
-def _ops(*, closed=None, forget=None) -> Operations:
+def _ops(*, closed=None, forget=None) -> Handlers:
     async def wb_closed(dirty, writer):  # noqa: ANN001 - stand-in
         raise Boom("write-back close failed")
 
@@ -32,7 +32,7 @@ def _ops(*, closed=None, forget=None) -> Operations:
     inodes = SimpleNamespace(forget=forget or inodes_forget, on_forget=None)
     cache = SimpleNamespace(forget_access=lambda access: None)
     readahead = SimpleNamespace(forget=lambda state: None)
-    return Operations(tree=None, inodes=inodes, cache=cache, writeback=wb, readahead=readahead,  # type: ignore[arg-type]
+    return Handlers(tree=None, inodes=inodes, cache=cache, writeback=wb, readahead=readahead,  # type: ignore[arg-type]
                       control=None, meta=None, attr_timeout=1.0)  # type: ignore[arg-type]
 
 

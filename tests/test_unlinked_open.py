@@ -12,9 +12,9 @@ import pytest
 
 from tests.conftest import needs_fuse, tierfs_cmd
 from tests.test_writeback_inprocess import Disks, instance, write_file
+from tierfs.fs.handlers import Handlers
 from tierfs.fs.handles import FileHandle
 from tierfs.fs.inodes import ROOT, InodeTable
-from tierfs.fs.operations import Operations
 from tierfs.io import Device
 
 
@@ -28,7 +28,7 @@ async def test_getattr_after_unlink_when_write_back_finished_first(tmp_path: Pat
         df = wb.get(b"f")
         assert df is not None
         inodes = InodeTable(wb.tree)
-        ops = Operations(tree=wb.tree, inodes=inodes, cache=SimpleNamespace(), writeback=wb,  # type: ignore[arg-type]
+        ops = Handlers(tree=wb.tree, inodes=inodes, cache=SimpleNamespace(), writeback=wb,  # type: ignore[arg-type]
                          readahead=SimpleNamespace(), control=SimpleNamespace(by_inode={}),  # type: ignore[arg-type]
                          meta=Device("meta", 2),
                          attr_timeout=1.0)

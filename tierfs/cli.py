@@ -4,6 +4,7 @@ in-process through :func:`main`; only :func:`entry` exits."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -109,6 +110,15 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
     # Defense in depth: whatever tierfs creates is private unless given a mode explicitly (files
     # created for users get their exact mode with fchmod; tierfs' own state is 0600/0700 anyway)
     os.umask(0o077)
+    # Every dirty file and open backing file holds a descriptor: take the hard limit (systemd's
+    # default soft limit is 1024, its hard limit 524288); a quarter of it is each user's share
+    # of dirty files (WriteBack.user_dirty_bound)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     _setup_logging(cfg.log_level, cfg.log_file or None)
     said = False
 

@@ -1,6 +1,6 @@
 """Typed errors of tierfs.
 
-Inner layers raise these; only the FUSE boundary (:mod:`tierfs.fs.operations`) maps them to an
+Inner layers raise these; only the FUSE boundary (:mod:`tierfs.fs.handlers`) maps them to an
 errno, and only the CLI turns :class:`ConfigError` / :class:`MountError` into a one-line message.
 """
 
@@ -75,3 +75,10 @@ class HintDenied(TierfsError):
     "perm"}``, never a FUSE error. The message names what was refused."""
 
     errno = _errno.EACCES
+
+
+class DirtyLimit(TierfsError):
+    """A user other than root holds as many dirty files as one user may (each keeps one of the
+    daemon's descriptors until it is written back); answered as EDQUOT."""
+
+    errno = _errno.EDQUOT

@@ -41,12 +41,13 @@ from tierfs.config import (
 from tierfs.errors import MountError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.ctl import ControlCommands
+from tierfs.fs.handlers import Handlers
 from tierfs.fs.inodes import InodeTable
-from tierfs.fs.operations import Operations
 from tierfs.predict.hints import HintService
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
+from tierfs.transport.pyfuse import Pyfuse3Operations
 from tierfs.units import format_size
 from tierfs.writeback.journal import Journal
 from tierfs.writeback.manager import WriteBack
@@ -456,17 +457,17 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
     control = ControlPlane({"stats.json": render_stats, "pid": lambda uid: f"{os.getpid()}\n".encode(),
                             "config.json": render_config}, {wire.CTL_FILE: ctl})
-    ops = Operations(tree=tree, inodes=inodes, cache=cache, writeback=writeback,
-                     readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
-                     control=control, meta=meta, attr_timeout=cfg.attr_timeout,
-                     on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
+    ops = Handlers(tree=tree, inodes=inodes, cache=cache, writeback=writeback,
+                   readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
+                   control=control, meta=meta, attr_timeout=cfg.attr_timeout,
+                   on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
     if effective_allow_other(cfg, os.geteuid()):
         options.add("allow_other")
     try:
-        pyfuse3.init(ops, plan.mountpoint, options)
+        pyfuse3.init(Pyfuse3Operations(ops), plan.mountpoint, options)
     except RuntimeError as e:
         raise MountError(f"FUSE mount of {plan.mountpoint} failed: {e}") from None
     unmounted_cleanly = False

@@ -20,6 +20,7 @@ import trio
 
 from tests.conftest import tierfs_cmd
 from tests.security.conftest import User
+from tierfs.fs.api import FuseError
 
 # The attacker holds ``mnt/atk/sub`` open (the kernel keeps its inode), swaps ``back/atk/sub``
 # for a symlink to ``target`` behind the mount's back, then works relative to the held
@@ -130,15 +131,15 @@ os.symlink("f", os.path.join(d, "link"))
 
 # -- mkdir then chmod: a symlink swapped in between (deterministic, in-process) -----------------
 def _operations(back: Path):
-    """An ``Operations`` over ``back`` with only what ``mkdir`` touches (no mount)."""
+    """A ``Handlers`` over ``back`` with only what ``mkdir`` touches (no mount)."""
     from tierfs.backing_tree import BackingTree
+    from tierfs.fs.handlers import Handlers
     from tierfs.fs.inodes import InodeTable
-    from tierfs.fs.operations import Operations
     from tierfs.io import Device
 
     tree = BackingTree(os.fsencode(back))
     wb = SimpleNamespace(get=lambda path: None, on_clean=None)
-    return Operations(tree=tree, inodes=InodeTable(tree), cache=None, writeback=wb,  # type: ignore[arg-type]
+    return Handlers(tree=tree, inodes=InodeTable(tree), cache=None, writeback=wb,  # type: ignore[arg-type]
                       readahead=None, control=SimpleNamespace(by_inode={}),  # type: ignore[arg-type]
                       meta=Device("meta", 1), attr_timeout=1.0)
 
@@ -164,7 +165,7 @@ def test_mkdir_then_chmod_never_follows_a_swapped_symlink(tmp_path: Path, monkey
     ctx = SimpleNamespace(uid=12345, gid=12345, pid=1)
 
     async def main() -> None:
-        with pytest.raises(pyfuse3.FUSEError):
+        with pytest.raises(FuseError):
             await ops.mkdir(pyfuse3.ROOT_INODE, b"d", 0o777, ctx)
 
     trio.run(main)

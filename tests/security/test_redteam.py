@@ -258,9 +258,6 @@ print("ok")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="dirty files have no per-user bound and each keeps a daemon "
-                   "descriptor open until written back; fix: bound one user's dirty files (count) "
-                   "and/or keep no descriptor for closed dirty files, raise RLIMIT_NOFILE at start")
 def test_redteam_stuck_dirty_files_exhaust_daemon_descriptors(monkeypatch: pytest.MonkeyPatch, attacker: User,
                                                               secmount, shared_dir: Path) -> None:
     """Every dirty file keeps a descriptor of its data file open in the daemon until it is

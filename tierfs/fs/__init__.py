@@ -1,1 +1,2 @@
-"""The FUSE layer: a thin ``Operations`` translator plus its inode, handle and control tables."""
+"""The FUSE layer, transport-neutral: the handler layer (handlers), the namespace overlay
+(namespace), the control plane (control), inode and handle tables. Transports: tierfs.transport."""

@@ -1,17 +1,36 @@
-"""The control plane: read-only files in ``<mnt>/.tierfs/`` whose content is made at open.
+"""The control plane: files in ``<mnt>/.tierfs/``, and the protocol of its command file.
 
-Reads use ``direct_io`` (the content has no fixed size, and the page cache must not keep an old
-snapshot); these files are never mapped, so the mmap caveat of direct_io does not apply.
+Read-only files (stats.json, ...) get their content made at open. Reads use ``direct_io`` (the
+content has no fixed size, and the page cache must not keep an old snapshot); these files are
+never mapped, so the mmap caveat of direct_io does not apply.
+
+The command file (``ctl``) takes one JSON request line per write sequence and answers it on the
+same descriptor (:meth:`ControlPlane.write`): requests are capped (``wire.MAX_REQUEST_BYTES``,
+per-user and global byte budgets), answered in a task of their own, read back when ready.
+Errors are :class:`~tierfs.fs.api.FuseError`; the handler layer (:mod:`tierfs.fs.handlers`)
+calls in here for every control inode.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
+import os
+import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tierfs.access import Caller
-from tierfs.fs.inodes import FIRST_CONTROL_FILE
+import trio
+
+from tierfs import logevents, tasks
+from tierfs.access import Caller, caller_of
+from tierfs.fs.api import Attr, DirEmit, FuseError, OpenReply, RequestCtx
+from tierfs.fs.handles import ControlHandle, HandleTable
+from tierfs.fs.inodes import CONTROL_DIR, FIRST_CONTROL_FILE
 from tierfs_hints import wire
+
+log = logging.getLogger("tierfs.fs")
 
 # A command gets the request line and the credentials of whoever opened the control file
 # (an open descriptor is a capability, as in Unix: see tierfs.access).
@@ -88,3 +107,130 @@ class ControlPlane:
             self.pending_by_uid[uid] = left
         else:
             self.pending_by_uid.pop(uid, None)
+
+    # -- the protocol (called by the handler layer for control inodes) ---------------------------
+    def is_control(self, inode: int) -> bool:
+        return inode == CONTROL_DIR or inode in self.by_inode
+
+    def attrs(self, inode: int, attr_timeout: float) -> Attr:
+        """Attributes of the control directory or one of its files (owned by the daemon's user;
+        a command file is writable by all: a request acts with the opener's rights)."""
+        if inode == CONTROL_DIR:
+            mode, nlink = stat.S_IFDIR | 0o555, 2
+        else:
+            cf = self.by_inode[inode]
+            mode, nlink = stat.S_IFREG | (0o666 if cf.command else 0o444), 1
+        return Attr(st_ino=inode, entry_timeout=attr_timeout, attr_timeout=attr_timeout,
+                    st_mode=mode, st_nlink=nlink, st_uid=os.getuid(), st_gid=os.getgid())
+
+    def lookup(self, name: bytes, attr_timeout: float) -> Attr:
+        cf = self.by_name.get(name)
+        if cf is None:
+            raise FuseError(errno.ENOENT)
+        return self.attrs(cf.inode, attr_timeout)
+
+    def readdir(self, start_id: int, emit: DirEmit, attr_timeout: float) -> None:
+        files = sorted(self.by_name.values(), key=lambda c: c.name)
+        for i in range(start_id, len(files)):
+            cf = files[i]
+            if not emit(cf.name, self.attrs(cf.inode, attr_timeout), i + 1):
+                return
+
+    def open(self, inode: int, ctx: RequestCtx, handles: HandleTable) -> OpenReply:
+        cf = self.by_inode[inode]
+        data = b"" if cf.command else cf.render(ctx.uid)
+        # A write carries no request context: a command acts with the opener's
+        # credentials, taken now (tierfs.access; one procfs read, ~20 us)
+        caller = caller_of(ctx.uid, ctx.gid, ctx.pid) if cf.command else None
+        h = ControlHandle(data, name=cf.name, caller=caller)
+        return OpenReply(handles.add(h), direct_io=True)
+
+    @staticmethod
+    async def read(h: ControlHandle, off: int, size: int) -> bytes:
+        """The snapshot, or the reply to the last request once it is ready."""
+        if h.answered is not None:
+            await h.answered.wait()
+        return h.data[off : off + size]
+
+    def release(self, h: ControlHandle) -> None:
+        if h.caller is not None:  # a request never finished, a reply held
+            self.unhold(h.caller.uid, len(h.request) + h.held)
+            h.held = 0
+        h.closed = True
+        h.request = bytearray()
+
+    def _refuse(self, h: ControlHandle, buf: bytes, error: str) -> FuseError:
+        """Cut a request off here, not at the newline: a request line used to grow without
+        limit (2.25 GiB of daemon memory, never returned). The reply names the cap."""
+        assert h.caller is not None
+        self.unhold(h.caller.uid, len(h.request) + h.held)
+        h.held = 0
+        h.request = bytearray()
+        h.overflow = not buf.endswith(b"\n")
+        h.data = json.dumps({"ok": False, "kind": "value", "error": error}).encode() + b"\n"
+        h.answered = None
+        logevents.event(log, logging.INFO, f"ctl-refused:{h.caller.uid}",
+                        "control request of uid %d (pid %d) refused: %s", h.caller.uid, h.caller.pid, error)
+        return FuseError(errno.EFBIG)
+
+    async def write(self, h: ControlHandle, buf: bytes, nursery: trio.Nursery | None) -> int:
+        """Collect a request; at its newline, answer it in a task of ``nursery`` (inline if
+        None). Raises FuseError: EBADF (not a command file), EFBIG (over a cap: the reply
+        says which), EBUSY (the previous request on this descriptor is not answered yet)."""
+        cf = self.by_name[h.name]
+        if cf.command is None or h.caller is None:
+            raise FuseError(errno.EBADF)
+        if h.overflow:
+            # the rest of a request that went over its cap: dropped up to its newline
+            h.overflow = b"\n" not in buf
+            raise FuseError(errno.EFBIG)
+        if h.answered is not None and not h.answered.is_set():
+            raise FuseError(errno.EBUSY)  # one request at a time per descriptor
+        n = len(buf)
+        if len(h.request) + n > wire.MAX_REQUEST_BYTES:
+            raise self._refuse(h, buf, f"request line longer than MAX_REQUEST_BYTES ({wire.MAX_REQUEST_BYTES} "
+                                       "bytes); send fewer paths per request")
+        # bounded per user too (MAX_USER_PENDING_BYTES): one user's unfinished requests
+        # must not lock everyone else out
+        error = self.hold(h.caller.uid, n)
+        if error is not None:
+            raise self._refuse(h, buf, error)
+        h.request += buf
+        if h.request.endswith(b"\n"):
+            # The write returns at once and the reply is read back when ready: the kernel holds
+            # the file's inode lock during a FUSE write, so a command answered inside the write
+            # (a 10 s "wait") would hold up every other client's request behind it.
+            request, h.request = h.request, bytearray()  # handed over, not copied
+            answered = h.answered = trio.Event()
+            # the previous reply on this descriptor is replaced by this one
+            self.unhold(h.caller.uid, h.held)
+            h.held = 0
+            if nursery is None:
+                await self._answer(h, cf.command, request, h.caller, answered)
+            else:
+                tasks.spawn(nursery, "control.answer", self._answer, h, cf.command, request, h.caller, answered)
+        return len(buf)
+
+    async def _answer(self, h: ControlHandle, command: Command, request: bytearray, caller: Caller,
+                      answered: trio.Event) -> None:
+        request_held = len(request)
+        try:
+            data = await command(request, caller)  # type: ignore[arg-type]
+            self.unhold(caller.uid, request_held)
+            request_held = 0
+            # A reply stays in memory until its descriptor is closed or sends the next
+            # request: it counts against the same per-user budget as requests (one
+            # user holding replies of 50 MB on a thousand descriptors grew the daemon
+            # without bound).
+            error = None if h.closed else self.hold(caller.uid, len(data))
+            if h.closed:
+                data = b""
+            elif error is None:
+                h.held = len(data)
+            else:
+                data = json.dumps({"ok": False, "kind": "value",
+                                   "error": f"reply of {len(data)} bytes not kept: {error}"}).encode() + b"\n"
+            h.data = data
+        finally:
+            self.unhold(caller.uid, request_held)
+            answered.set()

@@ -1,7 +1,7 @@
 """The commands of ``<mnt>/.tierfs/ctl``: one JSON request in, one JSON reply out (the format
 is :mod:`tierfs_hints.wire`), acted on with the credentials of whoever opened the file.
 
-:class:`~tierfs.fs.operations.Operations` collects a request line (capped at
+:meth:`tierfs.fs.control.ControlPlane.write` collects a request line (capped at
 ``wire.MAX_REQUEST_BYTES``) and calls :class:`ControlCommands` with it and the opener's
 :class:`~tierfs.access.Caller`. Here the request is parsed on the event loop by an incremental
 parser in small steps, paced by :class:`tierfs.io.Pacer` (:func:`parse_request`: one JSON value

@@ -24,13 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import pyfuse3
-
 if TYPE_CHECKING:
     from tierfs.backing_tree import BackingTree
     from tierfs.writeback.manager import DirtyFile
 
-ROOT = pyfuse3.ROOT_INODE
+ROOT = 1  # FUSE_ROOT_ID
 CONTROL_DIR = 2  # <mnt>/.tierfs
 FIRST_CONTROL_FILE = 3
 FIRST_DYNAMIC = 64

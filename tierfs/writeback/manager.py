@@ -44,8 +44,10 @@ import functools
 import logging
 import math
 import os
+import resource
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,7 +59,7 @@ from tierfs import logevents, private
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.tier import Tier, blocks
-from tierfs.errors import BackingIOError
+from tierfs.errors import BackingIOError, DirtyLimit
 from tierfs.io import Device, pread_exact, pwrite_all
 from tierfs.sched.scheduler import Klass, TransactionScheduler
 from tierfs.units import format_size
@@ -87,6 +89,7 @@ TMP_PREFIX = b".tierfs-wb."  # temporary names on the backing store; hidden from
 BIG_UNLINK_BYTES = 64 << 20  # data files from this size are removed in a device thread (see _remove_data)
 RETRY_S = 5.0  # a failed write-back (e.g. backing store full) is retried after this
 BACKING_FREE_TTL_S = 1.0  # how long a read of the backing store's free space is trusted
+USER_DIRTY_SHARE = 0.25  # of the daemon's descriptor limit, per user other than root (user_dirty_bound)
 TMP_TRIES = 8  # fresh names drawn when a temporary name is taken (a planted file or symlink)
 # Sizes up to this need no check against the backing filesystem's largest file (every
 # filesystem tierfs is meant for holds 4 GiB; FAT32's limit is 4 GiB - 1, close enough: its
@@ -144,6 +147,7 @@ class DirtyFile:
     drained: trio.Event | None = None
     retired_fds: list[int] = field(default_factory=list)  # replaced while pinned: closed at zero pins
     wb_done: trio.Event | None = None  # set when the write-back in flight ends
+    owner: int = 0  # the uid charged for it in WriteBack's per-user dirty-file bound
     # Passthrough (WriteBack.lease_data): leases of the data file held now (any / writable);
     # ``pt_written``: a writable lease was ever granted, so the data file may hold writes the
     # daemon did not see; ``pt_seen``: (size, mtime_ns, ctime_ns) of the data file when they
@@ -350,6 +354,7 @@ class WriteBack:
         self.dirty_dir = private.fd_path(self.dirty_fd)
         self.quarantine_dir = os.path.join(tier.path, "quarantine")
         self.files: dict[int, DirtyFile] = {}
+        self._user_files: Counter[int] = Counter()  # dirty files per owner (register/_unregister)
         self.by_path: dict[bytes, DirtyFile] = {}
         self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
         self._wake = trio.Event()
@@ -453,6 +458,7 @@ class WriteBack:
         crash must discard, never write back over the good backing file); :meth:`copy_up`
         names it once the copy is complete. Raises OSError (ENOSPC: no room for the journal
         row or the data file)."""
+        self._check_user_bound(uid)
         old = self.by_path.get(path)
         if old is not None:
             await self.unlink(old)
@@ -472,10 +478,38 @@ class WriteBack:
             with contextlib.suppress(OSError):
                 self.journal.remove(id_)
             raise
-        df = DirtyFile(id_, path, data_path, fd=fd)
-        self.files[id_] = df
-        self.by_path[path] = df
+        df = DirtyFile(id_, path, data_path, fd=fd, owner=uid)
+        self.register(df)
         return df
+
+    def register(self, df: DirtyFile) -> None:
+        """Track ``df`` (new, or recovered after a crash) and charge it to ``df.owner``."""
+        self.files[df.id] = df
+        if df.path is not None:
+            self.by_path[df.path] = df
+        self._user_files[df.owner] += 1
+
+    def _unregister(self, df: DirtyFile) -> None:
+        if self.files.pop(df.id, None) is not None:
+            self._user_files[df.owner] -= 1
+            if self._user_files[df.owner] <= 0:
+                del self._user_files[df.owner]
+
+    def user_dirty_bound(self) -> int:
+        """How many dirty files one user other than root may hold: each keeps one of the
+        daemon's descriptors until it is written back, and a user who makes its write-backs
+        fail (a backing directory it swaps for a symlink) would otherwise hold them all, and
+        every open through the mount would fail with EMFILE. A quarter of the descriptor limit
+        (read now: ``prlimit`` may change it), so that two users still leave half to root and
+        to everyone's reads."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 30
+        return max(16, int(soft * USER_DIRTY_SHARE))
+
+    def _check_user_bound(self, uid: int) -> None:
+        if uid != 0 and self._user_files[uid] >= self.user_dirty_bound():
+            raise DirtyLimit(f"uid {uid} holds {self._user_files[uid]} dirty files, the most one user may")
 
     async def copy_up(self, path: bytes, st: os.stat_result, read: Callable[[int, int], object],
                       xattr_src: bytes | None) -> DirtyFile:
@@ -873,7 +907,7 @@ class WriteBack:
 
     async def _discard(self, df: DirtyFile) -> None:
         """Forget an unlinked dirty file whose last handle closed."""
-        self.files.pop(df.id, None)
+        self._unregister(df)
         self._uncharge(df, 0)
         if df.through and df.tmp is not None:
             tmp = df.tmp
@@ -1231,7 +1265,7 @@ class WriteBack:
             self._release_clean(df)
 
     def _release_clean(self, df: DirtyFile) -> None:
-        self.files.pop(df.id, None)
+        self._unregister(df)
         self._uncharge(df, 0)
         if df.pins:
             df.close_pending = True  # closed when the last user is done

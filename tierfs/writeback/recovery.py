@@ -124,15 +124,16 @@ async def _recover_row(wb: WriteBack, row: JournalRow) -> str | None:
     if not await wb.device.run(os.path.exists, data_path):
         return "its data file in the write tier is gone"
     fd = await wb._reopen_data(data_path)
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    size = st.st_size
     allocated = _allocated(fd, size)  # a sparse file's holes cost nothing
     due = trio.current_time() + wb.deadline_s
     df = DirtyFile(row.id, row.path, data_path, fd=fd, size=size, gen=1,
-                   deadline=due, due=due, in_place=row.in_place, state=DirtyState.DIRTY)
+                   deadline=due, due=due, in_place=row.in_place, state=DirtyState.DIRTY,
+                   owner=st.st_uid)
     wb.tier.dirty += allocated
     df.accounted = allocated
-    wb.files[row.id] = df
-    wb.by_path[row.path] = df
+    wb.register(df)
     return None
 
 

@@ -1,0 +1,448 @@
+"""The FUSE handlers: decode arguments, call collaborators, map errors. Nothing else.
+
+This is the FUSE boundary: the only place where tierfs errors and OSErrors become errnos
+(:class:`~tierfs.fs.api.FuseError`). A transport (:mod:`tierfs.transport`: pyfuse3, or the
+native ``/dev/fuse`` protocol) calls these handlers and turns their neutral replies
+(:mod:`tierfs.fs.api`) into its own; the handlers do not know which transport calls them.
+
+Collaborators: :class:`~tierfs.fs.namespace.Namespace` (names, attributes, unlink/rename,
+copy-up: the overlay of dirty files over the backing tree), :class:`~tierfs.fs.control.
+ControlPlane` (``.tierfs/``), the cache (reads of clean files) and the write-back (dirty files).
+
+Page cache: ``keep_cache`` is set on open unless the backing file's identity changed since the
+last open, so the page cache survives across opens of unchanged files; ``direct_io`` is never
+set on data files (it breaks shared mmap: numpy, lmdb, safetensors; design brief).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import trio
+
+from tierfs import logevents, tasks
+from tierfs.backing_tree import BackingTree
+from tierfs.cache.manager import Cache
+from tierfs.errors import TierfsError
+from tierfs.fs.api import ENOATTR, Attr, DirEmit, FuseError, OpenReply, RequestCtx, SetAttr, StatVfs
+from tierfs.fs.control import ControlPlane
+from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
+from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
+from tierfs.fs.namespace import CONTROL_NAME, Namespace
+from tierfs.io import Device
+from tierfs.predict.readahead import Readahead
+from tierfs.sched.backing import BackingFile
+from tierfs.writeback.manager import DirtyFile, WriteBack
+
+log = logging.getLogger("tierfs.fs")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+
+@contextmanager
+def fuse_errors(what: str) -> Iterator[None]:
+    """Map typed tierfs errors and OSErrors to FuseError (the FUSE boundary)."""
+    try:
+        yield
+    except FuseError:
+        raise
+    except TierfsError as e:
+        log.debug("%s: %s", what, e)
+        raise FuseError(e.errno) from None
+    except OSError as e:
+        raise FuseError(e.errno or errno.EIO) from None
+    except KeyError:
+        raise FuseError(errno.ENOENT) from None
+    except trio.Cancelled:
+        raise
+    except Exception:
+        # A bug must cost one request, never the daemon (and every user of the mount).
+        log.exception("%s: unexpected error; answering EIO", what)
+        raise FuseError(errno.EIO) from None
+
+
+@contextmanager
+def logged_errors(what: str) -> Iterator[None]:
+    """For the handlers that cannot answer an error (release, releasedir, forget): log and
+    swallow it (the kernel takes no reply; an exception must not reach the transport's loop)."""
+    try:
+        yield
+    except trio.Cancelled:
+        raise
+    except Exception:
+        log.exception("%s: unexpected error (ignored: the kernel takes no reply)", what)
+
+
+class Handlers:
+    """Args:
+        tree: the backing tree; every backing-store access goes through it (never a path
+        string). inodes: the inode table. cache: reads of clean files. writeback: dirty files.
+        readahead: per-handle prediction. control: ``.tierfs`` files. meta: device for
+        backing-store metadata calls (stat, readdir, open, rename, ...), separate from the
+        scheduler's data I/O. attr_timeout: seconds.
+    """
+
+    def __init__(
+        self, *, tree: BackingTree, inodes: InodeTable, cache: Cache, writeback: WriteBack, readahead: Readahead,
+        control: ControlPlane, meta: Device, attr_timeout: float,
+        nursery: trio.Nursery | None = None,
+        on_open_read: Callable[[int, bytes], None] | None = None,
+        on_read_end: Callable[[int, bytes], None] | None = None,
+    ) -> None:
+        """``on_open_read(pid, path)``: a process opened a file for reading;
+        ``on_read_end(pid, path)``: its readahead reached the file's last chunk (both for
+        next-file prediction; they must not block)."""
+        self.tree = tree
+        self.inodes = inodes
+        self.handles = HandleTable()
+        self.cache = cache
+        self.wb = writeback
+        self.readahead = readahead
+        self.control = control
+        self.meta = meta
+        self.attr_timeout = attr_timeout
+        self.ns = Namespace(tree=tree, inodes=inodes, cache=cache, writeback=writeback, meta=meta,
+                            handles=self.handles, attr_timeout=attr_timeout)
+        self.nursery = nursery
+        self.on_open_read = on_open_read
+        self.on_read_end = on_read_end
+        self.reads = 0  # FUSE read requests of data files
+        self.read_bytes = 0
+        self.max_read = 0
+        self.writes = 0
+        self.write_bytes = 0
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Where background work of requests runs (control answers, drops of stale chunks)."""
+        return self.ns.nursery
+
+    @nursery.setter
+    def nursery(self, nursery: trio.Nursery | None) -> None:
+        self.ns.nursery = nursery
+
+    @property
+    def open_files(self) -> dict[str, BackingFile]:
+        return self.ns.open_files
+
+    def _is_control(self, inode: int) -> bool:
+        return inode == CONTROL_DIR or inode in self.control.by_inode
+
+    # -- namespace: reading ------------------------------------------------------------------
+    async def lookup(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> Attr:
+        with fuse_errors("lookup"):
+            if parent_inode == CONTROL_DIR:
+                return self.control.lookup(name, self.attr_timeout)
+            if parent_inode == ROOT and name == CONTROL_NAME:
+                return self.control.attrs(CONTROL_DIR, self.attr_timeout)
+            return await self.ns.lookup(parent_inode, name)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, n in inode_list:
+            with logged_errors("forget"):  # one bad inode must not leak the others' lookups
+                self.inodes.forget(inode, n)
+
+    async def getattr(self, inode: int, ctx: RequestCtx | None = None) -> Attr:
+        with fuse_errors("getattr"):
+            if self._is_control(inode):
+                return self.control.attrs(inode, self.attr_timeout)
+            return await self.ns.entry_attrs(self.inodes.get(inode))
+
+    async def readlink(self, inode: int, ctx: RequestCtx | None = None) -> bytes:
+        with fuse_errors("readlink"):
+            entry = self.inodes.get(inode)
+            return await self.meta.run(self.tree.readlink, self.inodes.rel(entry))  # type: ignore[no-any-return]
+
+    async def statfs(self, ctx: RequestCtx | None = None) -> StatVfs:
+        with fuse_errors("statfs"):
+            return await self.meta.run(self.tree.statvfs)
+
+    # -- xattrs ----------------------------------------------------------------------------
+    async def getxattr(self, inode: int, name: bytes, ctx: RequestCtx | None = None) -> bytes:
+        with fuse_errors("getxattr"):
+            if self._is_control(inode):
+                raise FuseError(ENOATTR)
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                return await self.wb.xattr(entry.dirty, lambda fd: os.getxattr(fd, name))  # type: ignore[no-any-return]
+            return await self.meta.run(self.tree.getxattr, self.inodes.rel(entry), name)  # type: ignore[no-any-return]
+
+    async def listxattr(self, inode: int, ctx: RequestCtx | None = None) -> list[bytes]:
+        with fuse_errors("listxattr"):
+            if self._is_control(inode):
+                return []
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                names = await self.wb.xattr(entry.dirty, os.listxattr)
+            else:
+                names = await self.meta.run(self.tree.listxattr, self.inodes.rel(entry))
+            return [n.encode("utf-8", "surrogateescape") for n in names]  # type: ignore[union-attr]
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: RequestCtx | None = None) -> None:
+        with fuse_errors("setxattr"):
+            if self._is_control(inode):
+                raise FuseError(errno.EPERM)
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                entry.dirty.touch()
+                await self.wb.xattr(entry.dirty, lambda fd: os.setxattr(fd, name, value))
+                return
+            await self.meta.run(self.tree.setxattr, self.inodes.rel(entry), name, value)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
+        with fuse_errors("removexattr"):
+            if self._is_control(inode):
+                raise FuseError(errno.EPERM)
+            entry = self.inodes.get(inode)
+            if entry.dirty is not None:
+                entry.dirty.touch()
+                await self.wb.xattr(entry.dirty, lambda fd: os.removexattr(fd, name))
+                return
+            await self.meta.run(self.tree.removexattr, self.inodes.rel(entry), name)
+
+    # -- directories -----------------------------------------------------------------------
+    async def opendir(self, inode: int, ctx: RequestCtx | None = None) -> int:
+        with fuse_errors("opendir"):
+            if inode != CONTROL_DIR:
+                self.inodes.rel(self.inodes.get(inode))  # ENOENT for a removed directory
+            return self.handles.add(DirHandle(inode, []))
+
+    async def readdir(self, fh: int, start_id: int, emit: DirEmit) -> None:
+        """Entries from offset ``start_id`` on, each with its attributes; every entry the
+        kernel takes (``emit`` returns True) adds one lookup to its inode (READDIRPLUS)."""
+        with fuse_errors("readdir"):
+            h = self.handles.get(fh)
+            assert isinstance(h, DirHandle)
+            if h.inode == CONTROL_DIR:
+                self.control.readdir(start_id, emit, self.attr_timeout)
+                return
+            parent = self.inodes.get(h.inode)
+            if start_id == 0:
+                # listed when read from the start (first read, rewinddir), not at open: entries
+                # made after the open show, as on a local filesystem
+                h.entries = await self.ns.listing(parent)
+            for i in range(start_id, len(h.entries)):
+                name, obj = h.entries[i]
+                got = await self.ns.listed_attrs(parent, name, obj)
+                if got is None:
+                    continue
+                entry, attrs = got
+                entry.lookups -= 1  # counted only if the kernel takes the entry
+                if not emit(name, attrs, i + 1):
+                    self.inodes.forget(entry.inode, 0)
+                    return
+                entry.lookups += 1
+
+    async def releasedir(self, fh: int) -> None:
+        with logged_errors("releasedir"):
+            self.handles.pop(fh)
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        with fuse_errors("fsyncdir"):
+            h = self.handles.get(fh)
+            if isinstance(h, DirHandle) and h.inode != CONTROL_DIR:
+                await self.meta.run(self.tree.fsync_dir, self.inodes.rel(self.inodes.get(h.inode)))
+
+    # -- namespace: changing -------------------------------------------------------------------
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestCtx) -> Attr:
+        with fuse_errors("mkdir"):
+            return await self.ns.mkdir(parent_inode, name, mode, ctx)
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: RequestCtx) -> Attr:
+        with fuse_errors("mknod"):
+            return await self.ns.mknod(parent_inode, name, mode, rdev, ctx)
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
+        with fuse_errors("rmdir"):
+            await self.ns.rmdir(parent_inode, name)
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: RequestCtx) -> Attr:
+        with fuse_errors("symlink"):
+            return await self.ns.symlink(parent_inode, name, target, ctx)
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: RequestCtx | None = None) -> Attr:
+        with fuse_errors("link"):
+            return await self.ns.link(inode, new_parent_inode, new_name)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
+        with fuse_errors("unlink"):
+            await self.ns.unlink(parent_inode, name)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: RequestCtx | None = None) -> None:
+        with fuse_errors("rename"):
+            await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    async def setattr(self, inode: int, attr: SetAttr, fh: int | None = None, ctx: RequestCtx | None = None) -> Attr:
+        with fuse_errors("setattr"):
+            if self._is_control(inode):
+                raise FuseError(errno.EPERM)
+            return await self.ns.setattr(inode, attr)
+
+    # -- files -----------------------------------------------------------------------------
+    async def open(self, inode: int, flags: int, ctx: RequestCtx) -> OpenReply:
+        with fuse_errors("open"):
+            if inode in self.control.by_inode:
+                return self.control.open(inode, ctx, self.handles)
+            entry = self.inodes.get(inode)
+            writer = bool(flags & _WRITE_FLAGS)
+            if entry.path is None:
+                return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
+            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid)
+            if not writer and self.on_open_read is not None:
+                self.on_open_read(ctx.pid, entry.path)
+            if flags & os.O_TRUNC:
+                made = await self.ns.make_dirty(entry, truncate=True)
+                if made.size:
+                    await self.wb.truncate(made, 0)
+            # Opened for writing but not truncated: the file becomes dirty at its first write,
+            # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
+            # too: an eager copy-up copied and wrote back whole files nobody changed.
+            df = entry.dirty if entry.dirty is not None and entry.dirty.state.value != "clean" else None
+            if df is not None:
+                h.dirty = df
+                self.wb.opened(df, writer)
+                return OpenReply(self.handles.add(h), keep_cache=True)
+            return await self._open_backing(entry, h)
+
+    async def _open_backing(self, entry: InodeEntry, h: FileHandle) -> OpenReply:
+        """Open of a clean file: its backing file; the page cache is kept unless the backing
+        file changed since the last open (then its cached chunks are dropped too)."""
+        bf = await self.ns.backing_file(self.inodes.rel(entry))
+        h.file = bf
+        key = bf.key
+        changed = entry.last_key is not None and entry.last_key != key
+        if changed:
+            old = entry.last_key
+            # throttled: the owner of a backing directory can change a file and open it
+            # again in a loop, and one line each grew the log (in /run) without bound
+            logevents.event(log, logging.INFO, "backing-changed",
+                            "backing file changed: %s; dropping its cached chunks", logevents.user_text(bf.path))
+            if self.nursery is not None and old is not None:
+                tasks.spawn(self.nursery, "cache.drop_file", self.cache.drop_file, old)
+        entry.last_key = key
+        return OpenReply(self.handles.add(h), keep_cache=not changed)
+
+    def _open_unlinked(self, entry: InodeEntry, writer: bool) -> OpenReply:
+        """Open of an inode whose name was unlinked or replaced after the kernel looked it up:
+        the old content, kept by :meth:`Namespace.preserve` (reading only)."""
+        if writer:
+            raise FuseError(errno.ESTALE)
+        h = FileHandle(entry.inode)
+        if entry.dirty is not None and entry.dirty.fd >= 0:
+            h.dirty = entry.dirty
+            self.wb.opened(entry.dirty, False)
+        elif entry.orphan is not None:
+            h.file = entry.orphan
+            entry.orphan.acquire()
+            entry.orphan.opens += 1
+        else:
+            raise FuseError(errno.ENOENT)
+        return OpenReply(self.handles.add(h), keep_cache=True)
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: RequestCtx) -> tuple[OpenReply, Attr]:
+        with fuse_errors("create"):
+            entry, df = await self.ns.create(parent_inode, name, mode, flags, ctx)
+            h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND))
+            self.wb.opened(df, True)
+            fi = OpenReply(self.handles.add(h), keep_cache=True)
+            return fi, await self.ns.dirty_attrs(entry, df)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        with fuse_errors("read"):
+            h = self.handles.get(fh)
+            if isinstance(h, ControlHandle):
+                return await self.control.read(h, off, size)
+            assert isinstance(h, FileHandle)
+            self.reads += 1
+            self.read_bytes += size
+            self.max_read = max(self.max_read, size)
+            entry = self.inodes.by_inode.get(h.inode)
+            df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
+            if df is not None and (df.state.value != "clean" or df is h.dirty):
+                return await self.wb.read(df, off, size)
+            f = await self._read_file(h, entry)
+            if off >= f.size:
+                return b""
+            self._read_triggers(h, entry, f, off, size)
+            return await self.cache.read(f, off, size, h.access)
+
+    async def _read_file(self, h: FileHandle, entry: InodeEntry | None) -> BackingFile:
+        """The backing file a clean read comes from: the handle's, or (opened while dirty, or
+        written back since) the backing file the name has now."""
+        f = h.file
+        if f is None or (entry is not None and entry.last_key not in (None, f.key)):
+            if entry is None or entry.path is None:
+                raise FuseError(errno.ESTALE)
+            if f is not None:
+                self.ns.release_backing(f)
+            f = h.file = await self.ns.backing_file(self.inodes.rel(entry))
+            entry.last_key = f.key
+        return f
+
+    def _read_triggers(self, h: FileHandle, entry: InodeEntry | None, f: BackingFile, off: int,
+                       size: int) -> None:
+        """What a read tells the predictors: readahead (queued first: the scheduler then
+        coalesces the demand fetch with the following chunks into one long transfer) and the
+        end of a file (next-file prediction)."""
+        ahead = self.readahead.on_read(h.readahead, off, min(size, f.size - off), f.size)
+        h.access.random = h.readahead.window == 0
+        if ahead:
+            self.cache.prefetch(f, ahead)
+        if self.on_read_end is not None and entry is not None and entry.path is not None and (
+                (ahead and ahead[-1] == (f.size - 1) // self.cache.chunk_size)
+                or (off == 0 and f.size <= self.cache.chunk_size)):  # a one-chunk file: at once
+            self.on_read_end(h.pid, entry.path)
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        with fuse_errors("write"):
+            h = self.handles.get(fh)
+            if isinstance(h, ControlHandle):
+                return await self.control.write(h, buf, self.nursery)
+            assert isinstance(h, FileHandle)
+            if not h.writer:
+                raise FuseError(errno.EBADF)
+            df = await self._writable(h)
+            if h.append:
+                off = df.size
+            self.writes += 1
+            self.write_bytes += len(buf)
+            return await self.wb.write(df, off, buf)  # type: ignore[no-any-return]
+
+    async def _writable(self, h: FileHandle) -> DirtyFile:
+        """The dirty file a write through ``h`` goes to; the first write through a handle makes
+        the file dirty (a copy-up)."""
+        df = h.dirty
+        if df is None or df.state.value == "clean":
+            df = await self.ns.make_dirty(self.inodes.get(h.inode), truncate=False)
+            if h.dirty is not None:
+                await self.wb.closed(h.dirty, True)
+            h.dirty = df
+            self.wb.opened(df, True)
+        return df
+
+    async def flush(self, fh: int) -> None:
+        return None
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        with fuse_errors("fsync"):
+            h = self.handles.get(fh)
+            if isinstance(h, FileHandle) and h.dirty is not None and h.dirty.state.value != "clean":
+                await self.wb.fsync(h.dirty)
+
+    async def release(self, fh: int) -> None:
+        with logged_errors("release"):  # the kernel ignores release's answer
+            h = self.handles.pop(fh)
+            if isinstance(h, ControlHandle):
+                self.control.release(h)
+            if isinstance(h, FileHandle):
+                self.readahead.forget(h.readahead)
+                self.cache.forget_access(h.access)
+                if h.file is not None:
+                    self.ns.release_backing(h.file)
+                if h.dirty is not None:
+                    await self.wb.closed(h.dirty, h.writer)

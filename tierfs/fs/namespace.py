@@ -1,0 +1,549 @@
+"""The namespace overlay: the backing tree with the dirty files of
+:class:`~tierfs.writeback.manager.WriteBack` laid over it.
+
+A path with a dirty file shows the dirty file. Namespace operations on clean objects (mkdir,
+rename, unlink, chmod, ...) are applied to the backing store at once (they are metadata; no
+partial file can appear); file *data* is written to the write tier and written back later.
+This module resolves names (lookup, readdir listings), answers attributes (of backing objects,
+dirty files, and unlinked-but-open files), carries out unlink/rename/link semantics (an inode
+the kernel still holds keeps its old content, as on a local filesystem), copies files up into
+the write tier (:meth:`Namespace.make_dirty`) and keeps the table of open backing files.
+
+It knows no transport: it raises :class:`~tierfs.fs.api.FuseError` where POSIX names an errno,
+typed tierfs errors or OSError otherwise (mapped at the boundary, :mod:`tierfs.fs.handlers`).
+
+Kernel caching, chosen for correctness first:
+* regular files: ``entry_timeout=0`` so every path resolution (every ``open``) asks the daemon,
+  which re-stats the backing file; a change made behind tierfs' back is therefore seen by the
+  next open. ``attr_timeout`` = the configured value for ``fstat`` on an open file.
+* directories: both timeouts = the configured value (path walks stay cheap).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from typing import Any
+
+import trio
+
+from tierfs import tasks
+from tierfs.backing_tree import BackingTree, proc_path, split
+from tierfs.cache.manager import AccessState, Cache
+from tierfs.fs.api import RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, FuseError, RequestCtx, SetAttr
+from tierfs.fs.handles import FileHandle, HandleTable
+from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
+from tierfs.io import Device, open_backing
+from tierfs.sched.backing import BackingFile, Identity, key_path
+from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
+from tierfs_hints import wire
+
+log = logging.getLogger("tierfs.fs")
+CONTROL_NAME = wire.CONTROL_DIR.encode()
+
+
+def lstat_or_none(tree: BackingTree, rel: bytes) -> os.stat_result | None:
+    try:
+        return tree.lstat(rel)
+    except FileNotFoundError:
+        return None
+
+
+def _rmdir_with_orphans(tree: BackingTree, rel: bytes) -> None:
+    """rmdir; if only write-back temporary files keep the backing dir from being empty, they
+    are orphans (no dirty file lives in this dir: the caller checked) and go first."""
+    try:
+        tree.rmdir(rel)
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:
+            raise
+        names = tree.listdir(rel)
+        if not names or not all(is_tmp_name(n) for n in names):
+            raise
+        for n in names:
+            tree.unlink_quiet(rel + b"/" + n if rel else n)
+        tree.rmdir(rel)
+
+
+def _setattr_backing(tree: BackingTree, rel: bytes, mode: int | None, uid: int | None,
+                     gid: int | None, times: tuple[int, int] | None) -> None:
+    """chmod / chown / utime of a clean backing object, each on the object itself (never
+    through a symlink; a symlink's mode is left alone)."""
+    if mode is not None:
+        tree.chmod(rel, mode & 0o7777)
+    if uid is not None or gid is not None:
+        tree.chown(rel, -1 if uid is None else uid, -1 if gid is None else gid)
+    if times is not None:
+        tree.utime(rel, times)
+
+
+def _new_owner_gid(tree: BackingTree, parent: bytes, gid: int) -> int:
+    """The group of a new object in ``parent``: the directory's own if it is setgid (as a
+    local filesystem does), else the caller's ``gid``. Resolving the parent also refuses a
+    directory swapped for a symlink (ELOOP) before anything is created under it."""
+    pst = tree.lstat(parent)
+    if not stat.S_ISDIR(pst.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+    return pst.st_gid if pst.st_mode & stat.S_ISGID else gid
+
+
+class Namespace:
+    """Args:
+        tree: the backing tree; every backing-store access goes through it (never a path
+        string). inodes: the inode table. cache: reads of clean files (copy-up, drops of stale
+        chunks). writeback: dirty files. meta: device for backing-store metadata calls (stat,
+        readdir, open, rename, ...), separate from the scheduler's data I/O. handles: the open
+        handles (an unlinked open file answers from what its handles read). attr_timeout:
+        seconds.
+    """
+
+    def __init__(self, *, tree: BackingTree, inodes: InodeTable, cache: Cache, writeback: WriteBack,
+                 meta: Device, handles: HandleTable, attr_timeout: float) -> None:
+        self.tree = tree
+        self.inodes = inodes
+        self.cache = cache
+        self.wb = writeback
+        self.meta = meta
+        self.handles = handles
+        self.attr_timeout = attr_timeout
+        self.nursery: trio.Nursery | None = None
+        self.open_files: dict[str, BackingFile] = {}
+        self._dirty_locks: dict[int, trio.Lock] = {}
+        writeback.on_clean = self.on_clean
+        inodes.on_forget = self.on_forget
+
+    # -- attributes ------------------------------------------------------------------------
+    def attrs(self, inode: int, st: os.stat_result, *, nlink: int | None = None) -> Attr:
+        is_dir = stat.S_ISDIR(st.st_mode)
+        return Attr.of(inode, st, nlink=nlink, entry_timeout=self.attr_timeout if is_dir else 0,
+                       attr_timeout=self.attr_timeout)
+
+    async def dirty_attrs(self, entry: InodeEntry, df: DirtyFile) -> Attr:
+        nlink = 1 if df.path is not None else 0
+        if df.in_place and df.path is not None:
+            # hard-linked: the names are links of the backing inode it is written back into
+            try:
+                st = await self.meta.run(lstat_or_none, self.tree, df.path)
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISREG(st.st_mode):
+                nlink = st.st_nlink
+        return self.attrs(entry.inode, await self.wb.stat(df), nlink=nlink)
+
+    def held_fd(self, entry: InodeEntry) -> int | None:
+        """A descriptor of what the entry's open handles read, if one is open: its attributes are
+        that file's, whatever the name now names. First a dirty file's descriptor a handle
+        reads (a file opened while dirty keeps reading its data file after its write-back, until
+        closed: with the name unlinked, nothing else answers for it), then the copy of the
+        backing file kept for an unlinked name, then a handle's backing file."""
+        backing = None
+        for h in self.handles.handles.values():
+            if not isinstance(h, FileHandle) or h.inode != entry.inode:
+                continue
+            if h.dirty is not None and h.dirty.fd >= 0:
+                return int(h.dirty.fd)
+            if backing is None and h.file is not None and h.file.fd >= 0:
+                backing = int(h.file.fd)
+        if entry.orphan is not None and entry.orphan.fd >= 0:
+            return int(entry.orphan.fd)
+        return backing
+
+    async def lstat(self, entry: InodeEntry) -> os.stat_result:
+        if entry.path is None:  # unlinked but open: its descriptor knows
+            fd = self.held_fd(entry)
+            if fd is None:
+                raise FileNotFoundError(2, "unlinked")
+            return os.fstat(fd)
+        try:
+            st = await self.meta.run(lstat_or_none, self.tree, entry.path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                raise
+            st = None  # a directory on the way was swapped for a file or a symlink
+        if st is not None and (st.st_dev, st.st_ino) == entry.dev_ino:
+            return st
+        # The name no longer names this entry's object (replaced or removed behind tierfs'
+        # back): an open descriptor still serves the old file, as ext4 does.
+        fd = self.held_fd(entry)
+        if fd is not None:
+            return os.fstat(fd)
+        if st is None or (stat.S_ISLNK(st.st_mode) and entry.dev_ino[0] >= 0):
+            # gone, or a symlink now where another object was: never show the link's
+            # attributes for the held inode (the kernel would take it for a type change)
+            raise FileNotFoundError(errno.ENOENT, "gone from the backing store")
+        return st
+
+    async def entry_attrs(self, entry: InodeEntry) -> Attr:
+        if entry.dirty is not None:
+            return await self.dirty_attrs(entry, entry.dirty)
+        st = await self.lstat(entry)
+        held_dirty = entry.path is None and any(
+            isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
+            for h in self.handles.handles.values())
+        # unlinked but open, answered by a data file: its link is the tier's, no name links it
+        return self.attrs(entry.inode, st, nlink=0 if held_dirty else None)
+
+    # -- names -----------------------------------------------------------------------------
+    async def lookup_path(self, path: bytes) -> Attr:
+        """Resolve a path of the merged view; one lookup is added to the inode returned."""
+        df = self.wb.get(path)
+        if df is not None:
+            entry = self.inodes.remember_dirty(path, df)
+            return await self.dirty_attrs(entry, df)
+        st = await self.meta.run(self.tree.lstat, path)
+        entry = self.inodes.remember(path, st)
+        if entry.dirty is not None and entry.dirty.state.value == "clean":
+            entry.dirty = None
+        if entry.dirty is not None:  # another hard link of a file being written
+            return await self.dirty_attrs(entry, entry.dirty)
+        return self.attrs(entry.inode, st)
+
+    async def lookup(self, parent_inode: int, name: bytes) -> Attr:
+        """``name`` in a directory of the backing tree (not the control directory)."""
+        if is_tmp_name(name):
+            raise FuseError(errno.ENOENT)
+        parent = self.inodes.get(parent_inode)
+        if name == b".":
+            entry = parent
+            st = await self.lstat(entry)
+            entry.lookups += 1
+            return self.attrs(entry.inode, st)
+        if name == b"..":
+            assert parent.path is not None
+            rel = os.path.dirname(parent.path)
+            st = await self.meta.run(self.tree.lstat, rel)
+            entry = self.inodes.remember(rel, st) if rel else self.inodes.get(ROOT)
+            if not rel:
+                entry.lookups += 1
+            return self.attrs(entry.inode, st)
+        return await self.lookup_path(self.inodes.child_path(parent, name))
+
+    async def exists(self, path: bytes) -> os.stat_result | DirtyFile | None:
+        df = self.wb.get(path)
+        if df is not None:
+            return df
+        return await self.meta.run(lstat_or_none, self.tree, path)
+
+    def new_child(self, parent_inode: int, name: bytes) -> bytes:
+        if parent_inode == CONTROL_DIR or (parent_inode == ROOT and name == CONTROL_NAME):
+            raise FuseError(errno.EPERM)
+        if is_tmp_name(name):
+            raise FuseError(errno.EINVAL)  # names tierfs reserves for write-back
+        return self.inodes.child_path(self.inodes.get(parent_inode), name)
+
+    # -- directories -----------------------------------------------------------------------
+    async def listing(self, entry: InodeEntry) -> list[tuple[bytes, Any]]:
+        """The merged directory listing (backing entries, dirty files shadowing them)."""
+        rel = self.inodes.rel(entry)
+        listing: dict[bytes, Any] = dict(await self.meta.run(self.tree.scandir, rel, is_tmp_name))
+        for name, df in self.wb.children(rel):
+            listing[name] = df  # a dirty file shadows the backing one
+        if entry.inode == ROOT:
+            listing.pop(CONTROL_NAME, None)
+        return sorted(listing.items())
+
+    async def listed_attrs(self, parent: InodeEntry, name: bytes, obj: Any) -> tuple[InodeEntry, Attr] | None:
+        """The entry and attributes of one listed name (one lookup added), or None if it is
+        gone since it was listed."""
+        path = self.inodes.child_path(parent, name)
+        if isinstance(obj, DirtyFile) and obj.path != path:
+            return None  # renamed or unlinked since opendir
+        if isinstance(obj, DirtyFile) and obj.state.value == "clean":
+            # written back since opendir: the backing file is the entry now
+            obj = await self.meta.run(lstat_or_none, self.tree, path)
+            if obj is None:
+                return None
+        if isinstance(obj, DirtyFile):
+            entry = self.inodes.remember_dirty(path, obj)
+            return entry, await self.dirty_attrs(entry, obj)
+        entry = self.inodes.remember(path, obj)
+        return entry, self.attrs(entry.inode, obj)
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestCtx) -> Attr:
+        path = self.new_child(parent_inode, name)
+        if self.wb.get(path) is not None:
+            raise FuseError(errno.EEXIST)
+        await self.meta.run(self.tree.make_node, path, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+        return await self.lookup_path(path)
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: RequestCtx) -> Attr:
+        """A fifo, socket (``bind()`` of a Unix socket), empty regular file or, for root,
+        a character or block device; owned by the caller, setgid directories honoured."""
+        path = self.new_child(parent_inode, name)
+        kind = stat.S_IFMT(mode)
+        if kind not in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFREG, stat.S_IFCHR, stat.S_IFBLK):
+            raise FuseError(errno.EINVAL)
+        if kind in (stat.S_IFCHR, stat.S_IFBLK) and ctx.uid != 0:
+            raise FuseError(errno.EPERM)  # the kernel checks CAP_MKNOD too
+        if await self.exists(path) is not None:
+            raise FuseError(errno.EEXIST)
+        await self.meta.run(self.tree.make_node, path, kind | (mode & 0o7777), ctx.uid, ctx.gid, rdev)
+        return await self.lookup_path(path)
+
+    async def rmdir(self, parent_inode: int, name: bytes) -> None:
+        path = self.new_child(parent_inode, name)
+        if self.wb.get(path) is not None:
+            raise FuseError(errno.ENOTDIR)
+        if self.wb.has_children(path):
+            raise FuseError(errno.ENOTEMPTY)
+        await self.wb.settle_dir(path)
+        await self.meta.run(_rmdir_with_orphans, self.tree, path)
+        self.inodes.detach(path)
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: RequestCtx) -> Attr:
+        path = self.new_child(parent_inode, name)
+        if self.wb.get(path) is not None:
+            raise FuseError(errno.EEXIST)
+        await self.meta.run(self.tree.make_symlink, target, path, ctx.uid, ctx.gid)
+        return await self.lookup_path(path)
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: RequestCtx) -> tuple[InodeEntry, DirtyFile]:
+        """A new (or truncated-over) regular file: a dirty file in the write tier."""
+        path = self.new_child(parent_inode, name)
+        existing = await self.exists(path)
+        if existing is not None and flags & os.O_EXCL:
+            raise FuseError(errno.EEXIST)
+        # the parent is resolved beneath the backing root first (a directory swapped for a
+        # symlink is refused here) and gives the group of the new file if it is setgid
+        gid = await self.meta.run(_new_owner_gid, self.tree, split(path)[0], ctx.gid)
+        df = await self.wb.create(path, stat.S_IFREG | (mode & 0o7777), ctx.uid, gid)
+        if isinstance(existing, os.stat_result):
+            self.inodes.detach(path)
+        elif existing is None:
+            # a new name: the directory changed now, not at write-back (POSIX; pjdfstest
+            # open/00.t), and write-back keeps the directory's times as they are then
+            await self.meta.run(self.tree.touch, split(path)[0])
+        return self.inodes.remember_dirty(path, df), df
+
+    # -- links, unlink, rename -------------------------------------------------------------
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes) -> Attr:
+        entry = self.inodes.get(inode)
+        new_path = self.new_child(new_parent_inode, new_name)
+        if await self.exists(new_path) is not None:
+            raise FuseError(errno.EEXIST)
+        if entry.dirty is not None:
+            # A hard link shares one inode: put the file on the backing store first.
+            await self.wb.wait_durable([entry.dirty], timeout=float("inf"))
+        src = self.inodes.rel(entry)
+        await self.meta.run(self.tree.link, src, new_path)
+        if entry.dirty is not None and entry.dirty.state.value != "clean":
+            # still open for writing: its later write-back must keep the link, and both
+            # names are one inode
+            st = await self.meta.run(self.tree.lstat, src)
+            st2 = await self.meta.run(self.tree.lstat, new_path)
+            # both names must be the inode just linked; if a user swapped one meanwhile,
+            # the write-back knows no inode and checks the owner instead
+            same = (st.st_dev, st.st_ino) == (st2.st_dev, st2.st_ino)
+            self.wb.set_in_place(entry.dirty, st if same else None)
+            self.inodes.rekey(entry, (st.st_dev, st.st_ino))
+        return await self.lookup_path(new_path)
+
+    async def preserve(self, path: bytes) -> None:
+        """Before ``path`` is unlinked or renamed over: an inode the kernel still holds for it
+        (a process looked the name up and may open it next, e.g. a reader racing ``os.replace``)
+        stays openable with its old content until the kernel forgets it, as on a local fs: a
+        clean file through a held backing fd, a dirty one by keeping its data file."""
+        for entry in self.inodes.at_path(path):
+            df = entry.dirty
+            if df is not None and df.state.value != "clean":
+                if not getattr(entry, "kept", False):
+                    df.keep += 1
+                    entry.kept = True  # type: ignore[attr-defined]
+            elif entry.orphan is None:
+                st = await self.meta.run(lstat_or_none, self.tree, path)
+                if st is not None and stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == entry.dev_ino:
+                    bf = await self.backing_file(path)
+                    if (bf.identity.dev, bf.identity.ino) == entry.dev_ino:
+                        entry.orphan = bf
+                    else:  # replaced between the lstat and the open (a write-back committed)
+                        self.release_backing(bf)
+
+    async def unlink(self, parent_inode: int, name: bytes) -> None:
+        path = self.new_child(parent_inode, name)
+        await self.preserve(path)
+        df = self.wb.get(path)
+        if df is not None:
+            await self.wb.unlink(df)
+        # stat the backing store only now: a write-back may have just put the file there
+        st = await self.meta.run(lstat_or_none, self.tree, path)
+        if df is None and st is None:
+            raise FuseError(errno.ENOENT)
+        if st is not None and stat.S_ISDIR(st.st_mode) and df is None:
+            raise FuseError(errno.EISDIR)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            await self.meta.run(self.tree.unlink, path)
+        else:  # only the write tier had it: the directory changed all the same
+            await self.meta.run(self.tree.touch, split(path)[0])
+        self.inodes.detach(path)
+
+    async def _rename_checks(self, old: bytes, new: bytes, flags: int) -> tuple[os.stat_result | DirtyFile, bool]:
+        """The source, and whether it is a directory; the errno POSIX gives if the rename
+        cannot be done."""
+        src = await self.exists(old)
+        if src is None:
+            raise FuseError(errno.ENOENT)
+        target = await self.exists(new)
+        if target is not None and flags & RENAME_NOREPLACE:
+            raise FuseError(errno.EEXIST)
+        src_is_dir = isinstance(src, os.stat_result) and stat.S_ISDIR(src.st_mode)
+        if isinstance(target, os.stat_result) and stat.S_ISDIR(target.st_mode) and not src_is_dir:
+            raise FuseError(errno.EISDIR)
+        if isinstance(target, DirtyFile) and src_is_dir:
+            raise FuseError(errno.ENOTDIR)
+        if src_is_dir and self.wb.has_children(new):
+            raise FuseError(errno.ENOTEMPTY)  # the target dir holds unwritten files
+        return src, src_is_dir
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int) -> None:
+        if flags & RENAME_EXCHANGE:
+            raise FuseError(errno.EINVAL)
+        old = self.new_child(parent_inode_old, name_old)
+        new = self.new_child(parent_inode_new, name_new)
+        if old == new:
+            return
+        src, src_is_dir = await self._rename_checks(old, new, flags)
+        await self.preserve(new)
+        # The target's inodes are detached before the rename (a lookup during its await
+        # must not hand out the old target) and reattached if the backing store refuses
+        # it (ENOTEMPTY, EISDIR, ...): the target stays as it was, usable.
+        replaced = self.inodes.naming(new)
+        self.inodes.detach(new)
+        moved = False
+        if isinstance(src, DirtyFile):
+            moved = await self._rename_dirty(src, old, new)
+        if not moved:  # a clean object (or one written back just now): rename it on the backing store
+            tdf = self.wb.get(new)
+            if tdf is not None:
+                await self.wb.unlink(tdf)
+            try:
+                await self.meta.run(self.tree.rename, old, new)
+            except BaseException:
+                self.inodes.reattach(new, replaced)
+                raise
+            if src_is_dir:
+                self.wb.rename_dir(old, new)
+        self.inodes.rename(old, new)
+
+    async def _rename_dirty(self, src: DirtyFile, old: bytes, new: bytes) -> bool:
+        """Rename a dirty file in the write tier; False if it was written back meanwhile (the
+        caller renames the backing file then)."""
+        moved = await self.wb.rename(src, new)
+        if moved:
+            # an older version under the old name must not reappear there (stat only
+            # now: the dirty file itself is no longer at `old`)
+            shadowed = await self.meta.run(lstat_or_none, self.tree, old)
+            if shadowed is not None and not stat.S_ISDIR(shadowed.st_mode):
+                await self.meta.run(self.tree.unlink, old)
+            for d in {split(old)[0], split(new)[0]}:  # both directories changed now
+                await self.meta.run(self.tree.touch, d)
+        return moved
+
+    # -- attributes (setattr) ----------------------------------------------------------------
+    async def setattr(self, inode: int, attr: SetAttr) -> Attr:
+        entry = self.inodes.get(inode)
+        if attr.size is not None:
+            df = await self.make_dirty(entry, truncate=attr.size == 0)
+            await self.wb.truncate(df, attr.size)
+        times = None
+        if attr.atime_ns is not None or attr.mtime_ns is not None:
+            cur = await self.entry_attrs(entry)
+            times = (cur.st_atime_ns if attr.atime_ns is None else attr.atime_ns,
+                     cur.st_mtime_ns if attr.mtime_ns is None else attr.mtime_ns)
+        mode, uid, gid = attr.mode, attr.uid, attr.gid
+        if mode is not None or uid is not None or gid is not None or times is not None:
+            if entry.dirty is not None:
+                await self.wb.set_attrs(entry.dirty, mode=mode, uid=uid, gid=gid, times=times)
+            else:
+                await self.meta.run(_setattr_backing, self.tree, self.inodes.rel(entry),
+                                    mode, uid, gid, times)
+        return await self.entry_attrs(entry)
+
+    # -- dirty files (copy-up) -----------------------------------------------------------------
+    async def make_dirty(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
+        """The inode's dirty file, made from the backing file if it has none yet (a copy-up,
+        or an empty file when it is about to be truncated to zero). One at a time per inode:
+        two writers opening a clean file at once must share one dirty copy."""
+        lock = self._dirty_locks.setdefault(entry.inode, trio.Lock())
+        try:
+            async with lock:
+                return await self._make_dirty_locked(entry, truncate=truncate)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dirty_locks.pop(entry.inode, None)
+
+    async def _make_dirty_locked(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
+        if entry.dirty is not None and entry.dirty.state.value != "clean":
+            return entry.dirty
+        path = entry.path
+        if path is None:
+            raise FuseError(errno.ENOENT)
+        st = await self.meta.run(self.tree.lstat, path)
+        if not stat.S_ISREG(st.st_mode):
+            raise FuseError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        if truncate or st.st_size == 0:
+            df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
+        else:
+            bf = await self.backing_file(path)
+            access = AccessState()
+            try:
+                # xattrs are read through the open descriptor (/proc/self/fd/N), not a path
+                df = await self.wb.copy_up(
+                    path, st, lambda off, n: self.cache.read(bf, off, n, access), proc_path(bf.fd))
+            finally:
+                self.cache.forget_access(access)
+                self.release_backing(bf)
+        if st.st_nlink > 1:
+            self.wb.set_in_place(df, st)
+        self.inodes.attach(entry, df)
+        return df
+
+    # -- open backing files ----------------------------------------------------------------
+    async def backing_file(self, rel: bytes) -> BackingFile:
+        """The open backing file at ``rel`` (shared by every open of one identity), with one
+        more open counted; give it back with :meth:`release_backing`."""
+        fd, st = await self.meta.run(open_backing, self.tree, rel)
+        identity = Identity.of(key_path(self.tree.root, rel), st)
+        bf = self.open_files.get(identity.key)
+        if bf is None or bf.fd < 0:
+            bf = BackingFile(identity, fd)
+            self.open_files[identity.key] = bf
+        else:
+            os.close(fd)
+        bf.acquire()
+        bf.opens += 1
+        return bf
+
+    def release_backing(self, f: BackingFile) -> None:
+        f.opens -= 1
+        if f.opens == 0:
+            # Nobody reads on: queued readahead of this file is waste.
+            self.cache.scheduler.cancel_speculative(f.key)
+            if self.open_files.get(f.key) is f:
+                del self.open_files[f.key]
+        f.release()
+
+    # -- callbacks (inode table, write-back) ---------------------------------------------------
+    def on_forget(self, entry: InodeEntry) -> None:
+        if entry.orphan is not None:
+            self.release_backing(entry.orphan)
+            entry.orphan = None
+        if getattr(entry, "kept", False) and entry.dirty is not None and self.nursery is not None:
+            entry.kept = False  # type: ignore[attr-defined]
+            tasks.spawn(self.nursery, "writeback.unkeep", self.wb.unkeep, entry.dirty)
+
+    def on_clean(self, df: DirtyFile, st: os.stat_result | None) -> None:
+        entry = self.inodes.by_inode.get(df.inode)
+        if entry is None or entry.dirty is not df:
+            return
+        entry.dirty = None
+        if st is not None and df.path is not None:
+            self.inodes.rekey(entry, (st.st_dev, st.st_ino))
+            old = entry.last_key
+            entry.last_key = Identity.of(key_path(self.tree.root, df.path), st).key
+            if old is not None and old != entry.last_key and self.nursery is not None:
+                # the cached chunks of the content before this write are stale: free them now
+                tasks.spawn(self.nursery, "cache.drop_file", self.cache.drop_file, old)
