@@ -572,3 +572,25 @@ def test_leased_tier_files_hold_their_bytes_whatever_the_cache_does(  # type: ig
         cache.close()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def test_same_size_write_within_one_timestamp_tick_is_written_back(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Coarse timestamps (kernels before 6.13, filesystems without multigrain ctime): a
+    passthrough write that keeps the size and lands in the same tick as the daemon's last look
+    leaves size, mtime and ctime as they were. The release must still make a new generation:
+    the file was written back once while open (a flush), and calling that copy current lost
+    the last write."""
+    from tierfs.writeback import manager as wbm
+
+    monkeypatch.setattr(wbm, "_fingerprint", lambda st: (st.st_size, 0, 0))  # one tick for everything
+    disks = Disks(tmp_path)
+    async with instance(disks) as wb:
+        df, lease = await _open_leased(wb, b"state")
+        os.pwrite(lease.fd, b"v1" * 1000, 0)
+        await wb.after_passthrough_write(df)
+        await wb.wait_durable(None, timeout=30)  # tierfs flush while open
+        assert backing_bytes(disks, "state") == b"v1" * 1000
+        os.pwrite(lease.fd, b"v2" * 1000, 0)  # same size, same "times"
+        await _close_leased(wb, df, lease)
+        await wb.wait_durable(None, timeout=30)
+        assert backing_bytes(disks, "state") == b"v2" * 1000

@@ -1092,8 +1092,9 @@ class WriteBack:
         """Take in writes made through a writable passthrough lease of ``df`` (the FUSE layer
         calls it at flush, fsync - before :meth:`fsync` - and release of such a handle): size
         and mtime from the data file (``df.size``), a new generation (so a write-back copies
-        them; one in flight starts again), and the write tier charged for what the file now
-        occupies (evicting clean chunks; past the tier's capacity if it must: the file is then
+        them; one in flight starts again; also when size and times look unchanged, since
+        timestamps may be coarser than the writes), and the write tier charged for what the
+        file now occupies (evicting clean chunks; past the tier's capacity if it must: the file is then
         written back as soon as its writers close, and the overrun counted and logged).
 
         Raises:
@@ -1104,6 +1105,11 @@ class WriteBack:
         if df.through or df.fd < 0 or df.state is DirtyState.GONE or not df.pt_written:
             return
         if not self._absorb(df):
+            # Size and times look unchanged, yet a write may have landed within one tick of
+            # the last look (coarse timestamps: kernels before 6.13, filesystems without
+            # multigrain ctime): a new generation all the same, so the next write-back copies
+            # the file again rather than calling an older copy current.
+            df.touch()
             return
         alloc = _allocated(df.fd, df.size)  # fstat of an open descriptor: no I/O
         need = alloc - df.accounted
