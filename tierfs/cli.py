@@ -270,7 +270,7 @@ def _table(doc: dict[str, Any]) -> None:
                   f"chunk {format_size(doc['chunk_size'])}  policy {c['policy']}  open files {doc['open_files']}")
     t = Table(title="tiers")
     for col in ("tier", "path", "used", "dirty", "capacity", "use %", "hits", "misses", "hit ratio",
-                "served", "promoted", "demoted", "evicted"):
+                "served", "promoted", "demoted", "evicted", "passthrough"):
         t.add_column(col, justify="left" if col in ("tier", "path") else "right")
     for tier in doc["tiers"]:
         cap = tier["capacity_bytes"]
@@ -279,12 +279,14 @@ def _table(doc: dict[str, Any]) -> None:
                   f"{100 * (tier['used_bytes'] + tier.get('dirty_bytes', 0)) / cap:.0f}" if cap else "-",
                   str(tier["hits"]),
                   str(tier["misses"]), f"{tier['hit_ratio']:.2f}", format_size(tier["bytes_served"]),
-                  str(tier["promotions"]), str(tier["demotions"]), str(tier["evictions"]))
+                  str(tier["promotions"]), str(tier["demotions"]), str(tier["evictions"]),
+                  # opens the kernel reads straight from the tier (not in hits or served)
+                  str(tier.get("passthrough_opens", 0)))
     st = doc["staging"]
     t.add_row("staging", "(memory)", format_size(st["used_bytes"]), "", format_size(st["capacity_bytes"]),
-              "", str(st["hits"]), "", "", format_size(st.get("bytes_served", 0)), "", "", "")
+              "", str(st["hits"]), "", "", format_size(st.get("bytes_served", 0)), "", "", "", "")
     t.add_row("backing", doc["backing"], "", "", "", "", "", "", "", format_size(c["bytes_served_from_backing"]),
-              "", "", "")
+              "", "", "", "")
     console.print(t)
     q = s["queued"]
     sched = Table(title="transaction scheduler (backing store)")
@@ -321,6 +323,9 @@ def _table(doc: dict[str, Any]) -> None:
             ("time until every dirty byte is durable", "unknown yet" if eta is None else f"{eta:.1f} s"),
             ("slack of the nearest write-back deadline", "-" if nd is None else f"{nd:.1f} s"),
             ("failures (retried)", str(wb["failures"])),
+            ("passthrough opens (for writing) / over the tier's capacity",
+             f"{wb.get('passthrough_opens', 0)} ({wb.get('passthrough_writable_opens', 0)}) / "
+             f"{format_size(wb.get('passthrough_overrun_bytes', 0))}"),
         ]:
             w.add_row(k, v)
         console.print(w)
