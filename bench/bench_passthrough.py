@@ -259,9 +259,17 @@ def seq_phase(args, work: Path, tier: str, res: dict) -> None:  # type: ignore[n
         shutil.rmtree(back, ignore_errors=True)
 
 
+def _transport(doc: dict) -> str:
+    """The transport a stats document names (``transport.name``, passthrough on or off)."""
+    t = doc.get("transport")
+    if isinstance(t, dict):
+        return f"{t.get('name', '?')}{' +passthrough' if t.get('passthrough') else ''}"
+    return str(t) if t else "pyfuse3"
+
+
 def _pt_figures(before: dict, after: dict, tier: str) -> dict:
     """What the daemon saw between two stats documents: read requests, passthrough opens."""
-    out: dict = {"transport": after.get("transport", "pyfuse3 (no transport field)")}
+    out: dict = {"transport": _transport(after)}
     try:
         out["daemon_read_requests"] = after["fuse"]["read_requests"] - before["fuse"]["read_requests"]
         t_after = next(t for t in after["tiers"] if t["name"] == tier)
@@ -367,7 +375,7 @@ def ckpt_phase(args, work: Path, res: dict) -> None:  # type: ignore[no-untyped-
         out["bytes"] = nbytes
         out["direct_cmd"] = f"torch.save -> {direct_dir}/ckpt.pt.tmp, fsync, os.replace"
         out["tierfs_cmd"] = f"torch.save -> {mnt}/ckpt.pt.tmp, fsync, os.replace; tierfs flush; rm"
-        out["transport"] = after.get("transport", "pyfuse3 (no transport field)")
+        out["transport"] = _transport(after)
         try:
             out["daemon_write_requests"] = after["fuse"]["write_requests"] - before["fuse"]["write_requests"]
             out["passthrough_writable_opens"] = after["writeback"].get("passthrough_writable_opens", 0)
