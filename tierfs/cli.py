@@ -33,7 +33,7 @@ def _mount_config(args: argparse.Namespace) -> Config:
         layers.append((f"config file {args.config}", load_toml(args.config)))
     flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
              "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
-             "write_tier": args.write_tier, "fsync": args.fsync,
+             "write_tier": args.write_tier, "fsync": args.fsync, "transport": args.transport,
              "allow_other": args.allow_other, "metrics_port": args.metrics_port}
     layers += [(f"flag --{'no-' if v is False else ''}{k.replace('_', '-')}", {k: v})
                for k, v in flags.items() if v is not None]
@@ -597,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--eviction", help="nothrash (default) or lru")
     opts.add_argument("--depth", help="backing-store requests in flight (default 1)")
     opts.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
+    opts.add_argument("--transport", choices=("auto", "native", "pyfuse3"),
+                      help="FUSE transport: native (kernel passthrough; root), pyfuse3, or auto "
+                           "(default: native when the kernel offers passthrough and we are root)")
     opts.add_argument("--fsync", help="tier (default: fsync = durable on the write tier) or backing")
     opts.add_argument("--allow-other", action="store_true", default=None,
                       help="let other users use the mount (default when root mounts)")

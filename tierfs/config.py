@@ -150,6 +150,11 @@ OPTIONS: tuple[Option, ...] = (
            "should be on the backing store (write-back starts at once when the disk is idle)"),
     Option("fsync", _choice("tier", "backing"), "tier", "what fsync waits for: durable on the write "
            "tier (tier) or on the backing store (backing)"),
+    Option("transport", _choice("auto", "native", "pyfuse3"), "auto", "how the daemon speaks to the "
+           "kernel: native (its own /dev/fuse protocol layer: kernel passthrough of resident and "
+           "written files, interrupts, 1 MiB requests; needs root), pyfuse3 (libfuse: unprivileged "
+           "mounts, any kernel), or auto (native when the kernel offers passthrough and the daemon "
+           "has CAP_SYS_ADMIN, else pyfuse3)"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -192,6 +197,7 @@ class Config:
     write_tier: str = "auto"
     writeback_deadline: float = 120.0
     fsync: str = "tier"
+    transport: str = "auto"
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import pyfuse3
 import trio
 import xxhash
 
@@ -47,7 +46,7 @@ from tierfs.predict.hints import HintService
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
-from tierfs.transport.pyfuse import Pyfuse3Operations
+from tierfs.transport import Session, start_session
 from tierfs.units import format_size
 from tierfs.writeback.journal import Journal
 from tierfs.writeback.manager import WriteBack
@@ -437,6 +436,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None
+        doc["transport"] = session.statistics() if session is not None else None
         return doc
 
     def render_stats(uid: int = 0) -> bytes:
@@ -466,10 +466,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
     if effective_allow_other(cfg, os.geteuid()):
         options.add("allow_other")
-    try:
-        pyfuse3.init(Pyfuse3Operations(ops), plan.mountpoint, options)
-    except RuntimeError as e:
-        raise MountError(f"FUSE mount of {plan.mountpoint} failed: {e}") from None
+    session: Session | None = None
+    session = await start_session(cfg.transport, ops, plan.mountpoint, fsname=plan.backing,
+                                  options=options)
     unmounted_cleanly = False
     exporter = None
     try:
@@ -492,7 +491,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             await nursery.start(hints.run)
 
             async def fuse_main() -> None:
-                await pyfuse3.main()
+                await session.main()
                 nursery.cancel_scope.cancel()
 
             async def on_signal() -> None:
@@ -502,7 +501,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                         outcome = await trio.to_thread.run_sync(unmount_on_signal, plan.mountpoint)
                         if outcome == "unmounted":
                             log.info("signal %s: unmounted %s", name, plan.mountpoint)
-                            pyfuse3.terminate()
+                            session.terminate()
                             return
                         if outcome == "detached":
                             log.warning("signal %s: %s is detached already (umount --lazy); exiting "
@@ -527,13 +526,15 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             log.info("mounted %s on %s; tiers: %s; usable by %s", plan.backing, plan.mountpoint,
                      ", ".join(f"{t.name}={format_size(t.capacity)} at {t.path}" for t in plan.tiers) or "none",
                      who_can_use(options | {f"user_id={os.geteuid()}"}))
+            log.info("transport: %s%s (%s)", session.name,
+                     " with kernel passthrough" if session.passthrough else "", session.why)
             ready(None)
         unmounted_cleanly = True
     finally:
         if exporter is not None:
             exporter.close()
         try:
-            pyfuse3.close(unmount=True)
+            session.close(unmount=True)
         except Exception as e:  # noqa: BLE001 - teardown must go on
             log.warning("closing the FUSE session: %s", e)
         pending = writeback.statistics().dirty_files

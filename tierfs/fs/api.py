@@ -37,9 +37,12 @@ class FuseError(Exception):
 class RequestCtx(Protocol):
     """Who asked: the caller's ids as the kernel sent them with the request."""
 
-    uid: int
-    gid: int
-    pid: int
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

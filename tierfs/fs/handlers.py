@@ -26,6 +26,7 @@ import trio
 
 from tierfs import logevents, tasks
 from tierfs.backing_tree import BackingTree
+from tierfs.cache.lease import Lease
 from tierfs.cache.manager import Cache
 from tierfs.errors import TierfsError
 from tierfs.fs.api import ENOATTR, Attr, DirEmit, FuseError, OpenReply, RequestCtx, SetAttr, StatVfs
@@ -426,13 +427,60 @@ class Handlers:
         return df
 
     async def flush(self, fh: int) -> None:
-        return None
+        with fuse_errors("flush"):
+            h = self.handles.get(fh)
+            if isinstance(h, FileHandle):
+                await self._after_passthrough(h)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         with fuse_errors("fsync"):
             h = self.handles.get(fh)
+            if isinstance(h, FileHandle):
+                await self._after_passthrough(h)
             if isinstance(h, FileHandle) and h.dirty is not None and h.dirty.state.value != "clean":
                 await self.wb.fsync(h.dirty)
+
+    # -- passthrough ----------------------------------------------------------------------
+    async def lease(self, fh: int) -> Lease | None:
+        """For a transport that can hand an open file to the kernel (passthrough): a lease on
+        the file holding every byte of handle ``fh``, or None (the daemon serves the handle).
+
+        A handle of a dirty file: its write-tier data file (writable for a writer). A reader
+        of a clean file: the tier file holding all of it, resident and current. A writer of a
+        clean file: None (its first write makes the dirty copy, in the daemon). The lease is
+        kept on the handle and given back at :meth:`release` (or :meth:`drop_lease`)."""
+        with fuse_errors("lease"):
+            h = self.handles.get(fh)
+            if not isinstance(h, FileHandle) or h.lease is not None:
+                return None
+            entry = self.inodes.by_inode.get(h.inode)
+            df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
+            if df is not None and df.state.value != "clean":
+                if h.dirty is not df:
+                    return None  # opened before the file became dirty: the daemon serves it
+                lease = await self.wb.lease_data(df, h.writer)
+            elif h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
+                return None
+            else:
+                lease = await self.cache.lease_resident(h.file)
+            if fh not in self.handles.handles:  # released while we waited
+                if lease is not None:
+                    lease.release()
+                return None
+            h.lease = lease
+            return lease
+
+    def drop_lease(self, fh: int) -> None:
+        """The transport could not use the lease of ``fh``: give it back (the daemon serves)."""
+        h = self.handles.handles.get(fh)
+        if isinstance(h, FileHandle) and h.lease is not None:
+            lease, h.lease = h.lease, None
+            lease.release()
+
+    async def _after_passthrough(self, h: FileHandle) -> None:
+        """Take in what the kernel wrote through a writable lease (size, mtime, generation)."""
+        if h.lease is not None and h.lease.writable and h.dirty is not None:
+            await self.wb.after_passthrough_write(h.dirty)
 
     async def release(self, fh: int) -> None:
         with logged_errors("release"):  # the kernel ignores release's answer
@@ -440,6 +488,11 @@ class Handlers:
             if isinstance(h, ControlHandle):
                 self.control.release(h)
             if isinstance(h, FileHandle):
+                if h.lease is not None:
+                    with logged_errors("release: taking in passthrough writes"):
+                        await self._after_passthrough(h)
+                    lease, h.lease = h.lease, None
+                    lease.release()  # before closed(): write-back may start at once
                 self.readahead.forget(h.readahead)
                 self.cache.forget_access(h.access)
                 if h.file is not None:

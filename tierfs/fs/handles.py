@@ -9,6 +9,7 @@ from typing import Any
 import trio
 
 from tierfs.access import Caller
+from tierfs.cache.lease import Lease
 from tierfs.cache.manager import AccessState
 from tierfs.predict.readahead import ReadaheadState
 from tierfs.sched.backing import BackingFile
@@ -28,6 +29,9 @@ class FileHandle:
     access: AccessState = field(default_factory=AccessState)
     readahead: ReadaheadState = field(default_factory=ReadaheadState)
     pid: int = 0  # the opener (readers are told apart for next-file prediction)
+    # a transport handed the file to the kernel (passthrough): reads (and writes) of this handle
+    # do not reach the daemon while it is held (tierfs.cache.lease)
+    lease: Lease | None = None
 
 
 @dataclass(eq=False)

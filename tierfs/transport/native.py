@@ -1,0 +1,647 @@
+"""The native transport: the kernel FUSE protocol spoken over ``/dev/fuse`` in the daemon's trio
+loop, driving the same :class:`~tierfs.fs.handlers.Handlers` as the pyfuse3 transport.
+
+Why a second transport: libfuse 3.14 (under pyfuse3) answers INIT itself with protocol 7.31 and
+cannot negotiate what 7.40 offers, above all kernel *passthrough* (``FOPEN_PASSTHROUGH`` with a
+backing id: reads, writes and mmap of an open file go straight to a tier file, never through
+the daemon). It also lets a request be interrupted (``FUSE_INTERRUPT``: the request's cancel
+scope is cancelled and it is answered EINTR).
+
+Shape: :func:`mount_fuse` opens ``/dev/fuse`` and calls mount(2); :meth:`NativeSession.init`
+answers INIT; :meth:`NativeSession.main` reads requests (non-blocking descriptor,
+``trio.lowlevel.wait_readable``: one read is a copy of at most 1 MiB, ~0.1 ms, so it stays on
+the loop) and runs each as its own task. Wire format: :mod:`tierfs.transport.codec`.
+
+Passthrough (:class:`Passthrough`): at open the handler layer is asked for a lease
+(:meth:`Handlers.lease`); the lease's descriptor is registered with
+``FUSE_DEV_IOC_BACKING_OPEN`` once per inode, shared by every concurrent open of it and closed
+at the last release. The kernel refuses to mix, on one inode, opens in page-cache mode and
+opens in passthrough mode (``fs/fuse/iomode.c``: the open fails with EIO), so the mode of each
+inode's open handles is tracked here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from tierfs.errors import MountError
+from tierfs.fs.api import Ctx, FuseError, OpenReply, SetAttr
+from tierfs.fs.handlers import Handlers
+from tierfs.transport import codec as c
+
+log = logging.getLogger("tierfs.transport")
+
+MAX_PAGES = 256  # 1 MiB requests (4 KiB pages): the chunk-sized reads and writes tierfs wants
+MAX_WRITE = MAX_PAGES * 4096
+# the kernel refuses a read buffer smaller than max_write + one page (FUSE_MIN_READ_BUFFER)
+READ_BUFFER = MAX_WRITE + 4096
+MAX_BACKGROUND = 64  # async requests (readahead, async reads) the kernel keeps in flight
+CONGESTION = 48
+# Write data held by requests in flight: past this the reader stops taking requests until some
+# finish (the kernel queues them meanwhile). 256 MiB: 256 concurrent 1 MiB writes.
+MAX_WRITE_BYTES_IN_FLIGHT = 256 << 20
+# Opcodes whose work may be cancelled by FUSE_INTERRUPT: waits for data or names. Writes,
+# namespace changes and releases run to completion (a half-done change is worse than a slow one).
+INTERRUPTIBLE = frozenset({c.LOOKUP, c.GETATTR, c.READ, c.READDIR, c.READDIRPLUS,
+                           c.OPENDIR, c.STATFS, c.GETXATTR, c.LISTXATTR, c.READLINK, c.FSYNC,
+                           c.ACCESS})
+NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
+CAP_SYS_ADMIN = 21
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
+MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def has_cap_sys_admin() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (``FUSE_DEV_IOC_BACKING_OPEN`` needs it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> int:
+    """Open ``/dev/fuse`` and mount it on ``mountpoint`` with mount(2) (needs CAP_SYS_ADMIN).
+    Options as the pyfuse3 transport's: ``default_permissions`` (the kernel checks modes),
+    ``noatime``, ``nosuid``, ``nodev``. Returns the descriptor (non-blocking, close-on-exec).
+    Raises MountError."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    st = os.stat(mountpoint)
+    opts = (f"fd={fd},rootmode={st.st_mode & 0o170000:o},user_id={os.geteuid()},"
+            f"group_id={os.getegid()},default_permissions,max_read={MAX_WRITE}")
+    if allow_other:
+        opts += ",allow_other"
+    rc = _libc.mount(fsname.encode(), mountpoint.encode(), f"fuse.{subtype}".encode(),
+                     MS_NOSUID | MS_NODEV | MS_NOATIME, opts.encode())
+    if rc != 0:
+        e = ctypes.get_errno()
+        os.close(fd)
+        raise MountError(f"FUSE mount of {mountpoint} failed: {os.strerror(e)}")
+    return fd
+
+
+def unmount_detach(mountpoint: str) -> bool:
+    return _libc.umount2(mountpoint.encode(), MNT_DETACH) == 0
+
+
+def _fstype(path: str) -> str | None:
+    """The type of what is mounted on top of ``path`` (/proc/self/mounts), or None."""
+    real = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and fields[1].encode().decode("unicode_escape") == real:
+                found = fields[2]
+    return found
+
+
+@dataclass
+class _InodeIO:
+    """The open handles of one inode, by the mode the kernel keeps them in."""
+
+    cached: int = 0  # opens answered without passthrough (page-cache mode)
+    pt: int = 0  # passthrough opens
+    backing_id: int = 0
+    ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the registered file
+    kind: str = ""  # "tier" (a clean file's tier copy: read-only) or "data" (a dirty file)
+    pt_wrote: bool = False  # a passthrough writer had it: the next cached open drops the cache
+
+
+@dataclass
+class PassthroughStats:
+    opens: int = 0
+    bytes: int = 0  # bytes made available (a lease's size per open)
+    conflicts: int = 0  # opens refused: the inode was open in passthrough mode on another file
+    ioctl_failures: int = 0
+    by_tier: Counter[str] = field(default_factory=Counter)
+
+
+class Passthrough:
+    """Backing ids per inode (one per inode, shared by its concurrent opens) and the per-inode
+    open mode. ``dev_fd``: the /dev/fuse descriptor."""
+
+    def __init__(self, dev_fd: int) -> None:
+        self.dev_fd = dev_fd
+        self.inodes: dict[int, _InodeIO] = {}
+        self.by_fh: dict[int, tuple[int, str, bool]] = {}  # fh -> (inode, "pt"|"cached"|"direct", writer)
+        self.stats = PassthroughStats()
+
+    def io(self, inode: int) -> _InodeIO:
+        io = self.inodes.get(inode)
+        if io is None:
+            io = self.inodes[inode] = _InodeIO()
+        return io
+
+    def writer_conflict(self, inode: int, flags: int) -> bool:
+        """An open for writing of an inode whose passthrough opens read a clean file's tier copy:
+        it cannot be served (the kernel would pass it through to the cache's copy)."""
+        io = self.inodes.get(inode)
+        return bool(io and io.pt and io.kind == "tier" and flags & _WRITE_FLAGS)
+
+    def register(self, inode: int, fd: int, kind: str) -> int | None:
+        """The backing id for an open of ``inode`` whose bytes are in ``fd``: the inode's own if
+        it has one for the same file, a new one if it has none; None on a conflict (another
+        file registered) or a failed ioctl."""
+        io = self.io(inode)
+        st = os.fstat(fd)  # of an open descriptor: no I/O
+        ident = (st.st_dev, st.st_ino)
+        if io.pt:
+            if io.ident != ident:
+                return None
+            return io.backing_id
+        try:
+            # mutate=True: the ioctl's return value (the backing id) comes back
+            bid = fcntl.ioctl(self.dev_fd, c.DEV_IOC_BACKING_OPEN, c.backing_map(fd), True)
+        except OSError as e:
+            self.stats.ioctl_failures += 1
+            log.warning("passthrough: FUSE_DEV_IOC_BACKING_OPEN failed (%s); serving through the daemon", e)
+            return None
+        io.backing_id, io.ident, io.kind = int(bid), ident, kind
+        return io.backing_id
+
+    def opened(self, fh: int, inode: int, mode: str, writer: bool) -> None:
+        io = self.io(inode)
+        if mode == "pt":
+            io.pt += 1
+        elif mode == "cached":
+            io.cached += 1
+        self.by_fh[fh] = (inode, mode, writer)
+
+    def released(self, fh: int) -> None:
+        got = self.by_fh.pop(fh, None)
+        if got is None:
+            return
+        inode, mode, writer = got
+        io = self.inodes.get(inode)
+        if io is None:
+            return
+        if mode == "pt":
+            io.pt -= 1
+            io.pt_wrote |= writer
+            if io.pt == 0:
+                self._close_backing(io)
+        elif mode == "cached":
+            io.cached -= 1
+        if io.pt == 0 and io.cached == 0 and not io.pt_wrote:
+            del self.inodes[inode]
+
+    def _close_backing(self, io: _InodeIO) -> None:
+        bid, io.backing_id, io.ident, io.kind = io.backing_id, 0, None, ""
+        if bid:
+            try:
+                fcntl.ioctl(self.dev_fd, c.DEV_IOC_BACKING_CLOSE, bytearray(bid.to_bytes(4, "little")), True)
+            except OSError as e:
+                log.warning("passthrough: FUSE_DEV_IOC_BACKING_CLOSE of %d failed: %s", bid, e)
+
+    def keep_cache(self, inode: int, wanted: bool) -> bool:
+        """A cached open's KEEP_CACHE: never right after passthrough writes (the kernel's page
+        cache of the inode may hold pages older than them)."""
+        io = self.inodes.get(inode)
+        if io is not None and io.pt_wrote:
+            io.pt_wrote = False
+            return False
+        return wanted
+
+    def close_all(self) -> None:
+        for io in self.inodes.values():
+            if io.backing_id:
+                self._close_backing(io)
+        self.inodes.clear()
+
+
+@dataclass
+class InitResult:
+    kernel_minor: int
+    offered: int
+    granted: int
+    passthrough: bool
+
+
+class NativeSession:
+    """One mounted native FUSE connection serving ``handlers``.
+
+    Args:
+        handlers: the filesystem. fd: from :func:`mount_fuse`. mountpoint: for unmount.
+        want_passthrough: negotiate passthrough if the kernel offers it (the caller checked
+            CAP_SYS_ADMIN).
+    """
+
+    name = "native"
+
+    def __init__(self, handlers: Handlers, fd: int, mountpoint: str, *, want_passthrough: bool) -> None:
+        self.h = handlers
+        self.fd = fd
+        self.mountpoint = mountpoint
+        self.want_passthrough = want_passthrough
+        self.init_result: InitResult | None = None
+        self.pt: Passthrough | None = None
+        self.why = ""
+        self._buf = bytearray(READ_BUFFER)
+        self._inflight: dict[int, tuple[int, trio.CancelScope]] = {}
+        self._write_bytes = 0
+        self._room = trio.Event()
+        self._scope: trio.CancelScope | None = None
+        self.closed = False
+        self.ended = False  # the kernel ended the connection (unmounted): nothing to unmount
+        self.requests: Counter[str] = Counter()
+        self.interrupts = 0
+        self.interrupted = 0  # requests answered EINTR
+        self.stale_replies = 0  # replies the kernel no longer wanted (ENOENT)
+        self.malformed = 0
+        self.unexpected = 0  # handler exceptions answered EIO
+        self.unknown = 0  # ENOSYS
+
+    @property
+    def passthrough(self) -> bool:
+        return self.pt is not None
+
+    # -- INIT ------------------------------------------------------------------------------
+    async def init(self) -> InitResult:
+        """Read the kernel's INIT and answer it. Raises MountError if the kernel's protocol is
+        not 7.x or the connection ends first."""
+        while True:
+            raw = await self._read()
+            if raw is None:
+                raise MountError("the FUSE connection ended before INIT")
+            try:
+                req = c.decode(raw)
+            except c.MalformedRequest as e:
+                raise MountError(f"bad INIT from the kernel: {e}") from None
+            if req.opcode == c.INIT:
+                break
+            self._send(c.error_reply(req.unique, errno.EIO))
+        a = req.args
+        if a["major"] != c.KERNEL_MAJOR:
+            self._send(c.error_reply(req.unique, errno.EPROTO))
+            raise MountError(f"kernel FUSE protocol {a['major']}.{a['minor']} is not 7.x")
+        offered = a["flags"]
+        want = (c.ASYNC_READ | c.ATOMIC_O_TRUNC | c.BIG_WRITES | c.AUTO_INVAL_DATA | c.DO_READDIRPLUS
+                | c.ASYNC_DIO | c.PARALLEL_DIROPS | c.MAX_PAGES | c.INIT_EXT)
+        if self.want_passthrough:
+            want |= c.PASSTHROUGH
+        granted = want & offered
+        pt = bool(granted & c.PASSTHROUGH)
+        minor = min(a["minor"], c.KERNEL_MINOR)
+        self._send(c.reply(req.unique, c.init_out(
+            minor=minor, max_readahead=a["max_readahead"], flags=granted,
+            max_background=MAX_BACKGROUND, congestion_threshold=CONGESTION, max_write=MAX_WRITE,
+            max_pages=MAX_PAGES, max_stack_depth=1 if pt else 0)))
+        if pt:
+            self.pt = Passthrough(self.fd)
+        self.init_result = InitResult(a["minor"], offered, granted, pt)
+        return self.init_result
+
+    # -- the loop --------------------------------------------------------------------------
+    async def _read(self) -> bytes | None:
+        """One request, or None when the connection is gone (unmounted, aborted)."""
+        while True:
+            await trio.lowlevel.wait_readable(self.fd)
+            try:
+                n = os.readv(self.fd, [self._buf])
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                if e.errno == errno.ENODEV:
+                    self.ended = True
+                    return None
+                if e.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted before we read it
+                    continue
+                raise
+            return bytes(memoryview(self._buf)[:n])
+
+    async def main(self) -> None:
+        """Serve until the filesystem is unmounted (or :meth:`terminate`)."""
+        with trio.CancelScope() as self._scope:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    while self._write_bytes > MAX_WRITE_BYTES_IN_FLIGHT:
+                        self._room = trio.Event()
+                        await self._room.wait()
+                    raw = await self._read()
+                    if raw is None:
+                        break
+                    self._dispatch(raw, nursery)
+                nursery.cancel_scope.cancel()  # unmounted: nobody waits for the answers
+
+    def terminate(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def close(self, unmount: bool = True) -> None:
+        """Release backing ids, unmount (lazily: like ``fusermount3 -u -z``) and close the
+        descriptor. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.pt is not None:
+            self.pt.close_all()
+        if unmount and not self.ended and _fstype(self.mountpoint) == "fuse.tierfs":
+            unmount_detach(self.mountpoint)
+        os.close(self.fd)
+
+    def _dispatch(self, raw: bytes, nursery: trio.Nursery) -> None:
+        try:
+            req = c.decode(raw)
+        except c.MalformedRequest as e:
+            self.malformed += 1
+            log.warning("native transport: malformed request: %s", e)
+            if e.unique and e.opcode not in NO_REPLY:
+                self._send(c.error_reply(e.unique, errno.EINVAL))
+            return
+        op = req.opcode
+        self.requests[c.OPCODE_NAMES.get(op, str(op))] += 1
+        if op == c.INTERRUPT:
+            self._interrupt(req.args["unique"])
+            return
+        handler = _HANDLERS.get(op)
+        if handler is None:
+            self.unknown += 1
+            if op not in NO_REPLY:
+                self._send(c.error_reply(req.unique, errno.ENOSYS))
+            return
+        if op == c.WRITE:
+            self._write_bytes += len(req.args["data"])
+        nursery.start_soon(self._serve, req, handler, name=f"fuse.{c.OPCODE_NAMES.get(op, op)}")
+
+    def _interrupt(self, unique: int) -> None:
+        self.interrupts += 1
+        got = self._inflight.get(unique)
+        if got is not None and got[0] in INTERRUPTIBLE:
+            got[1].cancel()
+
+    async def _serve(self, req: c.Request, handler: _Handler) -> None:
+        op = req.opcode
+        scope = trio.CancelScope()
+        self._inflight[req.unique] = (op, scope)
+        payload: bytes | list[bytes] | None = None
+        err = 0
+        try:
+            with scope:
+                payload = await handler(self, req)
+            if scope.cancelled_caught:
+                err = errno.EINTR
+                self.interrupted += 1
+        except FuseError as e:
+            err = e.errno
+        except Exception as e:  # noqa: BLE001 - one request fails, never the daemon
+            self.unexpected += 1
+            log.error("native transport: %s: unexpected %s: %s; answering EIO",
+                      c.OPCODE_NAMES.get(op, op), type(e).__name__, e,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            err = errno.EIO
+        finally:
+            del self._inflight[req.unique]
+            if op == c.WRITE:
+                self._write_bytes -= len(req.args["data"])
+                if self._write_bytes <= MAX_WRITE_BYTES_IN_FLIGHT:
+                    self._room.set()
+        if op in NO_REPLY:
+            return
+        if err:
+            self._send(c.error_reply(req.unique, err))
+        elif isinstance(payload, list):
+            self._send_parts(req.unique, payload)
+        else:
+            self._send(c.reply(req.unique, payload or b""))
+
+    def _send(self, data: bytes) -> None:
+        self._send_raw([data])
+
+    def _send_parts(self, unique: int, parts: list[bytes]) -> None:
+        n = sum(len(p) for p in parts)
+        self._send_raw([c.out_header(unique, 0, n), *parts])
+
+    def _send_raw(self, parts: list[bytes]) -> None:
+        try:
+            os.writev(self.fd, parts)
+        except OSError as e:
+            if e.errno == errno.ENOENT:  # interrupted and answered, or aborted: nobody waits
+                self.stale_replies += 1
+            elif e.errno in (errno.ENODEV, errno.EBADF):  # unmounted: the loop ends at its next read
+                pass
+            else:
+                log.error("native transport: reply refused by the kernel: %s", e)
+
+    # -- handlers ----------------------------------------------------------------------------
+    @staticmethod
+    def ctx(req: c.Request, umask: int = 0) -> Ctx:
+        return Ctx(req.h.uid, req.h.gid, req.h.pid, umask)
+
+    async def _open_reply(self, inode: int, flags: int, r: OpenReply, writer: bool) -> bytes:
+        """The open_out for handle ``r``: passthrough when the handler layer leases the file
+        and the inode's open mode allows it; else page cache (or direct I/O) as the handler said."""
+        pt = self.pt
+        if r.direct_io:
+            if pt is not None:
+                pt.opened(r.fh, inode, "direct", writer)
+            return c.open_out(r.fh, c.FOPEN_DIRECT_IO)
+        if pt is None:
+            return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if r.keep_cache else 0)
+        io = pt.inodes.get(inode)
+        if io is None or io.cached == 0:
+            lease = await self.h.lease(r.fh)
+            io = pt.inodes.get(inode)  # again: a cached open may have been answered meanwhile
+            if lease is not None and io is not None and io.cached:
+                self.h.drop_lease(r.fh)
+                lease = None
+            if lease is not None:
+                key = lease.key
+                kind = "data" if isinstance(key, tuple) and key[0] == "data" else "tier"
+                bid = pt.register(inode, lease.fd, kind)
+                if bid is not None:
+                    pt.opened(r.fh, inode, "pt", writer)
+                    pt.stats.opens += 1
+                    pt.stats.bytes += lease.size
+                    pt.stats.by_tier[lease.tier] += 1
+                    return c.open_out(r.fh, c.FOPEN_PASSTHROUGH, bid)
+                self.h.drop_lease(r.fh)
+            if io is not None and io.pt:
+                # the inode is open in passthrough mode on another file: the kernel refuses a
+                # cached open of it (EIO), and this one cannot share the backing file
+                pt.stats.conflicts += 1
+                raise FuseError(errno.ETXTBSY)
+        pt.opened(r.fh, inode, "cached", writer)
+        return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if pt.keep_cache(inode, r.keep_cache) else 0)
+
+    async def op_open(self, req: c.Request) -> bytes:
+        flags = req.args["flags"]
+        if self.pt is not None and self.pt.writer_conflict(req.nodeid, flags):
+            self.pt.stats.conflicts += 1
+            raise FuseError(errno.ETXTBSY)
+        r = await self.h.open(req.nodeid, flags, self.ctx(req))
+        return await self._reply_or_release(req.nodeid, flags, r, bool(flags & _WRITE_FLAGS))
+
+    async def op_create(self, req: c.Request) -> bytes:
+        a = req.args
+        r, attrs = await self.h.create(req.nodeid, a["name"], a["mode"], a["flags"], self.ctx(req, a["umask"]))
+        return c.entry_out(attrs) + await self._reply_or_release(attrs.st_ino, a["flags"], r, True)
+
+    async def _reply_or_release(self, inode: int, flags: int, r: OpenReply, writer: bool) -> bytes:
+        """:meth:`_open_reply`; if it fails the handle is released (the kernel never sees it)."""
+        with trio.CancelScope(shield=True):  # the handle exists: no leak on a cancel either
+            try:
+                return await self._open_reply(inode, flags, r, writer)
+            except BaseException:
+                if r.fh in self.h.handles.handles:
+                    await self.h.release(r.fh)
+                if self.pt is not None:
+                    self.pt.released(r.fh)
+                raise
+
+    async def op_release(self, req: c.Request) -> None:
+        fh = req.args["fh"]
+        try:
+            await self.h.release(fh)
+        finally:
+            if self.pt is not None:
+                self.pt.released(fh)
+
+    async def op_read(self, req: c.Request) -> bytes:
+        a = req.args
+        return await self.h.read(a["fh"], a["offset"], a["size"])
+
+    async def op_write(self, req: c.Request) -> bytes:
+        a = req.args
+        n = await self.h.write(a["fh"], a["offset"], bytes(a["data"]))
+        return c.write_out(n)
+
+    async def op_readdir(self, req: c.Request) -> list[bytes]:
+        a = req.args
+        plus = req.opcode == c.READDIRPLUS
+        buf = c.DirBuffer(a["size"], plus)
+        await self.h.readdir(a["fh"], a["offset"], buf.add)
+        if not plus and buf.taken:  # the handler counted a lookup per entry (READDIRPLUS)
+            await self.h.forget([(ino, 1) for ino in buf.taken])
+        return buf.parts
+
+    async def op_getxattr(self, req: c.Request) -> bytes:
+        v = await self.h.getxattr(req.nodeid, req.args["name"], self.ctx(req))
+        return _sized(v, req.args["size"])
+
+    async def op_listxattr(self, req: c.Request) -> bytes:
+        names = await self.h.listxattr(req.nodeid, self.ctx(req))
+        return _sized(b"".join(n + b"\0" for n in names), req.args["size"])
+
+    async def op_setattr(self, req: c.Request) -> bytes:
+        a = req.args
+        v = a["valid"]
+        now = time.time_ns()
+        sa = SetAttr(
+            size=a["size"] if v & c.FATTR_SIZE else None,
+            mode=a["mode"] if v & c.FATTR_MODE else None,
+            uid=a["uid"] if v & c.FATTR_UID else None,
+            gid=a["gid"] if v & c.FATTR_GID else None,
+            atime_ns=(now if v & c.FATTR_ATIME_NOW else a["atime_ns"]) if v & c.FATTR_ATIME else None,
+            mtime_ns=(now if v & c.FATTR_MTIME_NOW else a["mtime_ns"]) if v & c.FATTR_MTIME else None)
+        attrs = await self.h.setattr(req.nodeid, sa, a["fh"] if v & c.FATTR_FH else None, self.ctx(req))
+        return c.attr_out(attrs)
+
+    def statistics(self) -> dict[str, Any]:
+        ir = self.init_result
+        out: dict[str, Any] = {
+            "name": "native", "passthrough": self.passthrough, "why": self.why,
+            "protocol": f"{c.KERNEL_MAJOR}.{c.KERNEL_MINOR}",
+            "kernel_protocol": f"{c.KERNEL_MAJOR}.{ir.kernel_minor}" if ir else None,
+            "negotiated": sorted(n for b, n in c.INIT_FLAG_NAMES.items() if ir and ir.granted & b),
+            "requests": sum(self.requests.values()),
+            "interrupts": self.interrupts, "interrupted": self.interrupted,
+            "stale_replies": self.stale_replies, "malformed": self.malformed,
+            "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
+        }
+        if self.pt is not None:
+            s = self.pt.stats
+            out.update(passthrough_opens=s.opens, passthrough_bytes=s.bytes,
+                       passthrough_opens_by_tier=dict(s.by_tier),
+                       passthrough_conflicts=s.conflicts, backing_ids=sum(
+                           1 for io in self.pt.inodes.values() if io.backing_id))
+        return out
+
+
+def _sized(value: bytes, size: int) -> bytes:
+    """getxattr/listxattr: size 0 asks for the length; a buffer too small is ERANGE."""
+    if size == 0:
+        return c.xattr_size_out(len(value))
+    if len(value) > size:
+        raise FuseError(errno.ERANGE)
+    return value
+
+
+_Handler = Callable[[NativeSession, c.Request], Awaitable[Any]]
+
+
+def _simple(fn: Callable[[NativeSession, c.Request], Awaitable[Any]],
+            enc: Callable[[Any], bytes] | None = None) -> _Handler:
+    async def run(s: NativeSession, req: c.Request) -> Any:
+        out = await fn(s, req)
+        return enc(out) if enc is not None else None
+    return run
+
+
+async def _nothing(s: NativeSession, req: c.Request) -> None:
+    return None
+
+
+async def _destroy(s: NativeSession, req: c.Request) -> None:
+    s.terminate()
+
+
+def _ident(x: Any) -> bytes:
+    return bytes(x)
+
+
+_HANDLERS: dict[int, _Handler] = {
+    c.LOOKUP: _simple(lambda s, r: s.h.lookup(r.nodeid, r.args["name"], s.ctx(r)), c.entry_out),
+    c.FORGET: _simple(lambda s, r: s.h.forget([(r.nodeid, r.args["nlookup"])])),
+    c.BATCH_FORGET: _simple(lambda s, r: s.h.forget(r.args["items"])),
+    c.GETATTR: _simple(lambda s, r: s.h.getattr(r.nodeid, s.ctx(r)), c.attr_out),
+    c.SETATTR: NativeSession.op_setattr,
+    c.READLINK: _simple(lambda s, r: s.h.readlink(r.nodeid, s.ctx(r)), _ident),
+    c.SYMLINK: _simple(lambda s, r: s.h.symlink(r.nodeid, r.args["name"], r.args["target"], s.ctx(r)), c.entry_out),
+    c.MKNOD: _simple(lambda s, r: s.h.mknod(r.nodeid, r.args["name"], r.args["mode"], r.args["rdev"],
+                                            s.ctx(r, r.args["umask"])), c.entry_out),
+    c.MKDIR: _simple(lambda s, r: s.h.mkdir(r.nodeid, r.args["name"], r.args["mode"],
+                                            s.ctx(r, r.args["umask"])), c.entry_out),
+    c.UNLINK: _simple(lambda s, r: s.h.unlink(r.nodeid, r.args["name"], s.ctx(r))),
+    c.RMDIR: _simple(lambda s, r: s.h.rmdir(r.nodeid, r.args["name"], s.ctx(r))),
+    c.RENAME: _simple(lambda s, r: s.h.rename(r.nodeid, r.args["name"], r.args["newdir"], r.args["newname"], 0, s.ctx(r))),
+    c.RENAME2: _simple(lambda s, r: s.h.rename(r.nodeid, r.args["name"], r.args["newdir"], r.args["newname"],
+                                               r.args["flags"], s.ctx(r))),
+    c.LINK: _simple(lambda s, r: s.h.link(r.args["oldnodeid"], r.nodeid, r.args["name"], s.ctx(r)), c.entry_out),
+    c.OPEN: NativeSession.op_open,
+    c.CREATE: NativeSession.op_create,
+    c.READ: NativeSession.op_read,
+    c.WRITE: NativeSession.op_write,
+    c.STATFS: _simple(lambda s, r: s.h.statfs(s.ctx(r)), c.statfs_out),
+    c.RELEASE: NativeSession.op_release,
+    c.FLUSH: _simple(lambda s, r: s.h.flush(r.args["fh"])),
+    c.FSYNC: _simple(lambda s, r: s.h.fsync(r.args["fh"], bool(r.args["fsync_flags"] & c.FSYNC_FDATASYNC))),
+    c.SETXATTR: _simple(lambda s, r: s.h.setxattr(r.nodeid, r.args["name"], r.args["value"], s.ctx(r))),
+    c.GETXATTR: NativeSession.op_getxattr,
+    c.LISTXATTR: NativeSession.op_listxattr,
+    c.REMOVEXATTR: _simple(lambda s, r: s.h.removexattr(r.nodeid, r.args["name"], s.ctx(r))),
+    c.OPENDIR: _simple(lambda s, r: s.h.opendir(r.nodeid, s.ctx(r)), lambda fh: c.open_out(fh)),
+    c.READDIR: NativeSession.op_readdir,
+    c.READDIRPLUS: NativeSession.op_readdir,
+    c.RELEASEDIR: _simple(lambda s, r: s.h.releasedir(r.args["fh"])),
+    c.FSYNCDIR: _simple(lambda s, r: s.h.fsyncdir(r.args["fh"], bool(r.args["fsync_flags"] & c.FSYNC_FDATASYNC))),
+    c.ACCESS: _nothing,  # default_permissions: the kernel checks modes
+    c.DESTROY: _destroy,
+}
