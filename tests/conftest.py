@@ -37,9 +37,34 @@ LOOP_BOUND_MS = 50
 os.environ.setdefault("TIERFS_LOOP_BOUND_MS", str(LOOP_BOUND_MS))  # inherited by every daemon
 LOOP_STRICT = os.environ.get("TIERFS_TEST_LOOP_STRICT", "1") != "0"
 
+# The FUSE transport the real-mount fixtures mount with (tierfs.transport): TIERFS_TEST_TRANSPORT
+# = pyfuse3 | native | both (each real-mount test once per transport). Tests that mount through
+# ``tierfs_cmd("mount", ...)`` themselves get the current one too.
+TRANSPORT_CHOICE = os.environ.get("TIERFS_TEST_TRANSPORT", "both")
+if TRANSPORT_CHOICE not in ("pyfuse3", "native", "both"):
+    raise pytest.UsageError(f"TIERFS_TEST_TRANSPORT={TRANSPORT_CHOICE!r}: pyfuse3, native or both")
+TRANSPORTS = ["pyfuse3", "native"] if TRANSPORT_CHOICE == "both" else [TRANSPORT_CHOICE]
+CURRENT = {"transport": TRANSPORTS[0]}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "transport" in metafunc.fixturenames:
+        metafunc.parametrize("transport", TRANSPORTS, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
+def transport(request: pytest.FixtureRequest) -> str:
+    """The transport of this run of a real-mount test (parametrised: TIERFS_TEST_TRANSPORT)."""
+    CURRENT["transport"] = request.param
+    return str(request.param)
+
 
 def tierfs_cmd(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the ``tierfs`` CLI as a user would (``python -m tierfs``)."""
+    """Run the ``tierfs`` CLI as a user would (``python -m tierfs``); ``mount`` gets the
+    current test transport unless the arguments name one."""
+    if args and args[0] == "mount" and "--transport" not in args and not any(
+            a.startswith("transport=") or ",transport=" in a for a in args):
+        args = (*args, "--transport", CURRENT["transport"])
     r = subprocess.run([sys.executable, "-m", "tierfs", *args], capture_output=True, text=True,
                        timeout=timeout, cwd=REPO)
     if check and r.returncode != 0:
@@ -157,7 +182,7 @@ def unmount_all(mounts: list[Mount]) -> None:
 
 
 @pytest.fixture
-def tiermount(tmp_path: Path) -> Iterator:
+def tiermount(tmp_path: Path, transport: str) -> Iterator:
     """Factory: ``tiermount(ram="64MiB", ssd="128MiB", extra=[...])`` mounts ``tmp_path/back``
     (created, for the test to fill first) on ``tmp_path/mnt`` and returns a :class:`Mount`."""
     mounts: list[Mount] = []
@@ -197,7 +222,8 @@ def join_all(procs: list, timeout: float) -> None:
 
 
 def module_mount(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Mount]:
-    """A writable mount (64 MiB RAM, 256 MiB SSD tier) shared by a test module; always unmounted."""
+    """A writable mount (64 MiB RAM, 256 MiB SSD tier) shared by a test module; always unmounted.
+    Its fixture should take ``transport`` (then it is made once per transport)."""
     base = tmp_path_factory.mktemp(name)
     (base / "back").mkdir()
     (base / "mnt").mkdir()

@@ -73,7 +73,7 @@ def expected(doc: dict) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 @pytest.fixture(scope="module")
-def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def doc(tmp_path_factory: pytest.TempPathFactory, transport: str) -> dict:
     """A real stats document, after reads and a write."""
     from tests.conftest import module_mount
 

@@ -132,7 +132,7 @@ def renameat2(old: Path, new: Path, flags: int) -> None:
 
 # -- the module's mount ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def wm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+def wm(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Mount]:
     yield from module_mount(tmp_path_factory, "posixw")
 
 

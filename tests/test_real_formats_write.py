@@ -44,7 +44,7 @@ MiB = 1 << 20
 
 # -- helpers -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def wm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+def wm(tmp_path_factory: pytest.TempPathFactory, transport: str) -> Iterator[Mount]:
     yield from module_mount(tmp_path_factory, "formatsw")
 
 

@@ -325,6 +325,9 @@ class NativeSession:
                 if e.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted before we read it
                     continue
                 raise
+            if n == 0:  # end of file: not /dev/fuse's way, but a closed socket's (tests)
+                self.ended = True
+                return None
             return bytes(memoryview(self._buf)[:n])
 
     async def main(self) -> None:
@@ -565,6 +568,7 @@ class NativeSession:
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
             "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
+            "requests_by_opcode": dict(self.requests.most_common()),
         }
         if self.pt is not None:
             s = self.pt.stats
