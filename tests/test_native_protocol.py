@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 import struct
 
 import pytest
+import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.fs.api import Attr
+from tierfs.fs.api import Attr, FuseError
 from tierfs.transport import codec as c
+from tierfs.transport import native
 
 
 def req(opcode: int, body: bytes = b"", *, unique: int = 7, nodeid: int = 1, extlen: int = 0) -> bytes:
@@ -145,3 +151,176 @@ def test_dirents_pad_and_fill():
     assert buf.add(b"a" * 10, a, 1) and buf.add(b"b" * 10, a, 2)  # 40 bytes each
     assert not buf.add(b"c", a, 3)  # 32 more would make 112 > 100
     assert buf.used == 80 and buf.taken == [8, 8] and len(buf.payload()) == 80
+
+
+# -- the session's loop, in-process: a socket pair stands in for /dev/fuse ------------------------
+
+
+class StubHandlers:
+    """Just enough of Handlers: a getattr that works, handlers that fail, a read that hangs."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[tuple[int, int]] = []
+        self.read_cancelled = False
+        self.reading = trio.Event()
+
+    async def getattr(self, inode, ctx=None):
+        return Attr(st_ino=inode, st_mode=0o100644, st_nlink=1)
+
+    async def lookup(self, parent, name, ctx=None):
+        if name == b"bug":
+            raise RuntimeError("a bug in a handler")
+        raise FuseError(errno.ENOENT)
+
+    async def forget(self, items):
+        self.forgotten.extend(items)
+        if any(i == 666 for i, _ in items):
+            raise RuntimeError("a bug in forget")
+
+    async def read(self, fh, off, size):
+        self.reading.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.read_cancelled = True
+            raise
+        return b""
+
+
+class Peer:
+    """The kernel's side of the pair."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = trio.socket.from_stdlib_socket(sock)
+
+    async def send(self, raw: bytes) -> None:
+        await self.sock.send(raw)
+
+    async def reply(self) -> tuple[int, int, bytes]:
+        raw = await self.sock.recv(1 << 17)
+        n, err, unique = c.OUT_HEADER.unpack_from(raw)
+        assert n == len(raw)
+        return unique, -err, raw[c.OUT_HEADER.size:]
+
+
+async def _with_session(script) -> tuple[native.NativeSession, StubHandlers]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setblocking(False)
+    stub = StubHandlers()
+    s = native.NativeSession(stub, a.detach(), "/nonexistent/tierfs-test", want_passthrough=True)  # type: ignore[arg-type]
+    peer = Peer(b)
+    await peer.send(req(c.INIT, struct.pack("<IIIII", 7, 45, 1 << 17, c.INIT_EXT | c.ASYNC_READ, 0) + bytes(44), unique=1))
+    await s.init()
+    async with trio.open_nursery() as n:
+        n.start_soon(s.main)
+        await script(peer, stub)
+        peer.sock.close()  # the loop ends like an unmount
+    s.close(unmount=False)
+    return s, stub
+
+
+def _run(script):
+    return trio.run(_with_session, script)
+
+
+def test_init_before_main_and_normal_request():
+    async def go():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        a.setblocking(False)
+        s = native.NativeSession(StubHandlers(), a.detach(), "/nonexistent/x", want_passthrough=True)  # type: ignore[arg-type]
+        peer = Peer(b)
+        body = struct.pack("<IIIII", 7, 45, 1 << 17, c.INIT_EXT | c.ASYNC_READ | c.MAX_PAGES, 1 << 5)
+        await peer.send(req(c.INIT, body + bytes(44), unique=1))
+        ir = await s.init()
+        unique, err, payload = await peer.reply()
+        f = c.INIT_OUT.unpack(payload)
+        assert (unique, err, f[0], f[1]) == (1, 0, 7, 40)
+        assert ir.passthrough and f[10] == 1 << 5 and f[11] == 1 and f[8] == native.MAX_PAGES
+        assert f[3] & c.MAX_PAGES and not f[3] & c.DO_READDIRPLUS  # only what the kernel offered
+        async with trio.open_nursery() as n:
+            n.start_soon(s.main)
+            await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=2, nodeid=5))
+            unique, err, payload = await peer.reply()
+            assert (unique, err, len(payload)) == (2, 0, 104)
+            peer.sock.close()
+        s.close(unmount=False)
+
+    trio.run(go)
+
+
+def test_malformed_truncated_unknown_and_bugs_keep_the_loop_alive():
+    async def script(peer, stub):
+        await peer.reply()  # INIT's
+        await peer.send(req(c.READ, b"\0" * 3, unique=10))  # truncated body
+        assert await peer.reply() == (10, errno.EINVAL, b"")
+        await peer.send(b"\0" * 12)  # not even a header: nothing to answer
+        await peer.send(req(999, b"x", unique=11))  # unknown opcode
+        assert await peer.reply() == (11, errno.ENOSYS, b"")
+        await peer.send(req(c.LOOKUP, b"bug\0", unique=12))  # a handler bug
+        assert await peer.reply() == (12, errno.EIO, b"")
+        await peer.send(req(c.LOOKUP, b"nope\0", unique=13))
+        assert await peer.reply() == (13, errno.ENOENT, b"")
+        await peer.send(req(c.FORGET, struct.pack("<Q", 1), unique=14, nodeid=666))  # buggy forget: no reply
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=15, nodeid=5))
+        unique, err, _ = await peer.reply()
+        assert (unique, err) == (15, 0)  # the next reply is this one: nothing answered the forget
+
+    s, _ = _run(script)
+    assert (s.malformed, s.unknown, s.unexpected) == (2, 1, 2)
+
+
+def test_interrupt_cancels_and_answers_eintr():
+    async def script(peer, stub):
+        await peer.reply()
+        await peer.send(req(c.READ, c._READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), unique=20))
+        await stub.reading.wait()
+        await peer.send(req(c.INTERRUPT, struct.pack("<Q", 20), unique=21))
+        assert await peer.reply() == (20, errno.EINTR, b"")
+        assert stub.read_cancelled
+        await peer.send(req(c.INTERRUPT, struct.pack("<Q", 12345), unique=22))  # long done: ignored
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=23, nodeid=5))
+        assert (await peer.reply())[:2] == (23, 0)
+
+    s, _ = _run(script)
+    assert s.interrupts == 2 and s.interrupted == 1
+
+
+def test_forget_storm():
+    items = [(i, 1) for i in range(2, 4002)]
+
+    async def script(peer, stub):
+        await peer.reply()
+        for k in range(0, len(items), 500):
+            chunk = items[k:k + 500]
+            body = struct.pack("<II", len(chunk), 0) + b"".join(struct.pack("<QQ", i, n) for i, n in chunk)
+            await peer.send(req(c.BATCH_FORGET, body, unique=0))
+        for i in range(1000):
+            await peer.send(req(c.FORGET, struct.pack("<Q", 2), unique=0, nodeid=10_000 + i))
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=30, nodeid=5))
+        assert (await peer.reply())[:2] == (30, 0)  # no reply to any forget came first
+        await trio.testing.wait_all_tasks_blocked()  # every forget task ran
+
+    _, stub = _run(script)
+    assert sorted(stub.forgotten) == sorted(items + [(10_000 + i, 2) for i in range(1000)])
+
+
+def test_reply_to_a_forgotten_request_does_not_end_the_loop(monkeypatch):
+    real = os.writev
+    calls = {"n": 0}
+
+    def writev(fd, parts):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first reply after INIT's: the kernel forgot that request
+            raise OSError(errno.ENOENT, "No such file or directory")
+        return real(fd, parts)
+
+    monkeypatch.setattr(native.os, "writev", writev)
+
+    async def script(peer, stub):
+        await peer.reply()
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=40, nodeid=5))
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=41, nodeid=5))
+        assert (await peer.reply())[:2] in ((40, 0), (41, 0))
+
+    s, _ = _run(script)
+    assert s.stale_replies == 1

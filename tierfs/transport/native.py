@@ -406,8 +406,8 @@ class NativeSession:
             err = e.errno
         except Exception as e:  # noqa: BLE001 - one request fails, never the daemon
             self.unexpected += 1
-            log.error("native transport: %s: unexpected %s: %s; answering EIO",
-                      c.OPCODE_NAMES.get(op, op), type(e).__name__, e,
+            log.error("native transport: %s: unexpected %s: %s; %s", c.OPCODE_NAMES.get(op, op),
+                      type(e).__name__, e, "ignored (no reply)" if op in NO_REPLY else "answering EIO",
                       exc_info=log.isEnabledFor(logging.DEBUG))
             err = errno.EIO
         finally:
