@@ -49,7 +49,8 @@ CURRENT = {"transport": TRANSPORTS[0]}
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "transport" in metafunc.fixturenames:
-        metafunc.parametrize("transport", TRANSPORTS, indirect=True, scope="session")
+        only = ["native"] if metafunc.definition.get_closest_marker("native_only") else TRANSPORTS
+        metafunc.parametrize("transport", only, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,265 @@
+"""The native transport against the real kernel: passthrough of resident and written files, the
+rule of one backing id per inode, interrupts, and what the daemon never sees.
+
+Runs only where the native transport can (root, /dev/fuse; passthrough tests also need a kernel
+that offers it: Linux 6.9+)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.conftest import Mount, needs_fuse, tierfs_cmd, write_random
+from tierfs.fs.api import Attr, FuseError, OpenReply
+from tierfs.transport import native
+
+pytestmark = [needs_fuse, pytest.mark.native_only]
+MiB = 1 << 20
+
+
+def transport_stats(m: Mount) -> dict:
+    return m.stats()["transport"]
+
+
+def needs_passthrough(m: Mount) -> None:
+    t = transport_stats(m)
+    assert t["name"] == "native"
+    if not t["passthrough"]:
+        pytest.skip(f"no kernel passthrough here: {t['why']}")
+
+
+def make_resident(m: Mount, rel: str, size: int, deadline_s: float = 30) -> None:
+    """Read ``rel`` through the mount until ``tierfs where`` shows all of it in the RAM tier
+    (placement runs in the background after a read)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        (m.mnt / rel).read_bytes()
+        r = tierfs_cmd("where", str(m.mnt / rel), "--json")
+        if json.loads(r.stdout)[0]["resident_bytes"].get("ram", 0) == size:
+            return
+        assert time.monotonic() < end, f"{rel} not wholly resident after {deadline_s}s"
+
+
+def wait_for(pred, what: str, deadline_s: float = 60) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + deadline_s
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def nm(tiermount, transport: str) -> Mount:  # type: ignore[no-untyped-def]
+    m = tiermount(ram="128MiB", extra=("--transport", "native"))
+    needs_passthrough(m)
+    return m
+
+
+def test_resident_read_passes_through_and_the_daemon_sees_no_read(nm: Mount) -> None:
+    data = write_random(nm.backing / "f", 6 * MiB + 123)
+    make_resident(nm, "f", len(data))
+    before = nm.stats()
+    assert (nm.mnt / "f").read_bytes() == data
+    after = nm.stats()
+    assert after["fuse"]["read_requests"] == before["fuse"]["read_requests"]
+    t0, t1 = before["transport"], after["transport"]
+    assert t1["passthrough_opens"] == t0["passthrough_opens"] + 1
+    assert t1["passthrough_opens_by_tier"]["ram"] >= 1 and t1["backing_ids"] == 0
+
+
+def test_numpy_mmap_r_and_torch_load_mmap_pass_through(nm: Mount) -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    a = np.arange(2 * MiB, dtype=np.float32)
+    np.save(nm.backing / "a.npy", a)
+    sd = {"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(7)}
+    torch.save(sd, nm.backing / "m.pt")
+    for rel in ("a.npy", "m.pt"):
+        make_resident(nm, rel, (nm.backing / rel).stat().st_size)
+    before = nm.stats()["transport"]["passthrough_opens"]
+    b = np.load(nm.mnt / "a.npy", mmap_mode="r")
+    assert (b == a).all()
+    got = torch.load(nm.mnt / "m.pt", mmap=True, weights_only=True)
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+    assert nm.stats()["transport"]["passthrough_opens"] >= before + 2
+    del b, got
+
+
+def test_memmap_r_plus_of_a_written_file_and_write_back(nm: Mount) -> None:
+    np = pytest.importorskip("numpy")
+    with open(nm.mnt / "w.npy", "wb") as f:  # held open: the file stays dirty, in the write tier
+        np.save(f, np.zeros(MiB, dtype=np.int32))
+        f.flush()
+        reader = np.load(nm.mnt / "w.npy", mmap_mode="r")
+        mm = np.load(nm.mnt / "w.npy", mmap_mode="r+")
+        mm[::4096] = 7
+        mm.flush()
+        assert int(reader[4096]) == 7  # two handles see each other's writes
+        del mm, reader
+    t = nm.stats()["transport"]
+    assert t["passthrough_opens"] >= 3 and t["passthrough_conflicts"] == 0
+    want = np.zeros(MiB, dtype=np.int32)
+    want[::4096] = 7
+    mm = np.memmap(nm.mnt / "w.npy", mode="r+", dtype=np.int32, offset=128)  # again, written back or not
+    mm[1] = 9
+    mm.flush()
+    del mm
+    want[1] = 9
+    assert (np.load(nm.mnt / "w.npy") == want).all()
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (np.load(nm.backing / "w.npy") == want).all(), "write-back of w.npy")
+
+
+def test_passthrough_writer_size_visible_to_another_process_and_written_back(nm: Mount) -> None:
+    data = os.urandom(3 * MiB + 5)
+    tmp = nm.mnt / "ck.pt.tmp"
+    with open(tmp, "wb") as f:  # as torch.save does: a temp name, then os.replace
+        f.write(data[:MiB])
+        f.flush()
+        out = subprocess.run([sys.executable, "-c", f"import os; print(os.stat({str(tmp)!r}).st_size)"],
+                             capture_output=True, text=True, check=True)
+        assert int(out.stdout) == MiB
+        f.write(data[MiB:])
+    os.replace(tmp, nm.mnt / "ck.pt")
+    assert (nm.mnt / "ck.pt").stat().st_size == len(data)
+    s = nm.stats()
+    assert s["transport"]["passthrough_opens"] >= 1 and s["fuse"]["write_requests"] == 0
+    assert (nm.mnt / "ck.pt").read_bytes() == data
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (nm.backing / "ck.pt").exists() and (nm.backing / "ck.pt").read_bytes() == data,
+             "write-back of ck.pt")
+
+
+def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
+    data = write_random(nm.backing / "many", MiB)
+    make_resident(nm, "many", len(data))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = 10_000
+    if hard < n + 500:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {n + 500}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, n + 500), hard))
+    fds: list[int] = []
+    try:
+        for _ in range(n):
+            fds.append(os.open(nm.mnt / "many", os.O_RDONLY))
+        t = nm.stats()["transport"]
+        assert t["backing_ids"] == 1 and t["passthrough_conflicts"] == 0
+        assert os.pread(fds[-1], 100, 5000) == data[5000:5100]
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
+
+
+def test_writer_of_a_file_read_through_its_tier_copy_is_refused_not_corrupting(nm: Mount) -> None:
+    data = write_random(nm.backing / "ro", MiB)
+    make_resident(nm, "ro", len(data))
+    with open(nm.mnt / "ro", "rb") as r:
+        with pytest.raises(OSError) as ei:
+            open(nm.mnt / "ro", "r+b")
+        assert ei.value.errno == errno.ETXTBSY
+        assert r.read() == data
+    with open(nm.mnt / "ro", "r+b") as w:  # no passthrough reader left: served by the daemon
+        w.write(b"new")
+    assert (nm.mnt / "ro").read_bytes()[:3] == b"new"
+
+
+def test_unknown_opcode_is_enosys_and_the_daemon_lives(nm: Mount) -> None:
+    (nm.mnt / "x").write_bytes(b"abc")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(nm.mnt / "x", os.O_RDWR)
+    try:
+        # FUSE_FALLOCATE is not implemented: ENOSYS, which the kernel reports as EOPNOTSUPP...
+        # unless the file is passed through (then the tier file's filesystem does it)
+        rc = libc.fallocate(fd, 0x01, ctypes.c_long(0), ctypes.c_long(4096))  # KEEP_SIZE
+        assert rc == 0 or ctypes.get_errno() == errno.EOPNOTSUPP
+    finally:
+        os.close(fd)
+    assert (nm.mnt / "x").read_bytes() == b"abc"
+
+
+# -- interrupts against the real kernel, with a filesystem whose reads hang ---------------------------
+class HangingFS:
+    """One file, ``hang``, whose every read waits forever (a dead backing store)."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.reading = threading.Event()
+
+    async def lookup(self, parent, name, ctx=None):  # type: ignore[no-untyped-def]
+        if name != b"hang":
+            raise FuseError(errno.ENOENT)
+        return Attr(st_ino=2, st_mode=0o100644, st_nlink=1, st_size=4096, entry_timeout=60, attr_timeout=60)
+
+    async def getattr(self, inode, ctx=None):  # type: ignore[no-untyped-def]
+        if inode == 1:
+            return Attr(st_ino=1, st_mode=0o40755, st_nlink=2)
+        return Attr(st_ino=2, st_mode=0o100644, st_nlink=1, st_size=4096)
+
+    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+        # direct I/O: a read is then a request the reader waits on (page-cache readahead is
+        # asynchronous in the kernel: a signal does not interrupt it)
+        return OpenReply(1, direct_io=True)
+
+    async def lease(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def read(self, fh, off, size):  # type: ignore[no-untyped-def]
+        self.reading.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled.set()
+            raise
+        return b""
+
+    async def release(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def flush(self, fh):  # type: ignore[no-untyped-def]
+        return None
+
+    async def forget(self, items):  # type: ignore[no-untyped-def]
+        return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, transport: str, sig: int) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    fs = HangingFS()
+    fd = native.mount_fuse(str(mnt), fsname="hang", subtype="tierfs-test", allow_other=False)
+    s = native.NativeSession(fs, fd, str(mnt), want_passthrough=False)  # type: ignore[arg-type]
+    token: list = []
+
+    async def serve() -> None:
+        token.append(trio.lowlevel.current_trio_token())
+        await s.init()
+        await s.main()
+
+    t = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    t.start()
+    try:
+        reader = subprocess.Popen([sys.executable, "-c", f"open({str(mnt / 'hang')!r}, 'rb').read(10)"])
+        assert fs.reading.wait(30), "the read never reached the filesystem"
+        reader.send_signal(sig)
+        assert reader.wait(30) != 0  # killed, not stuck in the kernel waiting for the daemon
+        assert fs.cancelled.wait(30), "the hung read was not cancelled"
+        assert s.interrupted == 1 and s.interrupts >= 1
+    finally:
+        native.unmount_detach(str(mnt))
+        t.join(30)
+        s.close(unmount=False)
+    assert not t.is_alive()
