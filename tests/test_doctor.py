@@ -41,8 +41,8 @@ def test_healthy_mount(tiermount, tmp_path: Path) -> None:
     (m.mnt / "w").write_bytes(b"w" * 1000)
     rc, found = doctor(m.mnt)
     assert rc == 0
-    assert set(found) == {"mount", "users", "tier ram", "tier ssd", "journal", "readahead", "backing",
-                          "write-back"}
+    assert set(found) == {"mount", "users", "transport", "tier ram", "tier ssd", "journal", "readahead",
+                          "backing", "write-back"}
     assert all(v[0].startswith("ok") for v in found.values()), found
     assert any(str(m.pid) in x for x in found["mount"])
 

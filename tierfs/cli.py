@@ -268,6 +268,17 @@ def _table(doc: dict[str, Any]) -> None:
     c = doc["cache"]
     console.print(f"[bold]tierfs[/] {doc['backing']} on {doc['mountpoint']}  up {doc['uptime_s']:.0f}s  "
                   f"chunk {format_size(doc['chunk_size'])}  policy {c['policy']}  open files {doc['open_files']}")
+    tr = doc.get("transport") or {}
+    if tr:
+        line = f"transport [bold]{tr.get('name')}[/]{' + kernel passthrough' if tr.get('passthrough') else ''}: {tr.get('why', '')}"
+        if tr.get("passthrough"):
+            line += (f"; passthrough opens {tr.get('passthrough_opens', 0)} "
+                     f"({format_size(tr.get('passthrough_bytes', 0))} made available), "
+                     f"refused for a mixed inode {tr.get('passthrough_conflicts', 0)}")
+        if tr.get("name") == "native":
+            line += (f"; requests {tr.get('requests', 0)}, interrupted {tr.get('interrupted', 0)}, "
+                     f"unexpected errors {tr.get('unexpected_errors', 0)}")
+        console.print(line, highlight=False)
     t = Table(title="tiers")
     for col in ("tier", "path", "used", "dirty", "capacity", "use %", "hits", "misses", "hit ratio",
                 "served", "promoted", "demoted", "evicted", "passthrough"):

@@ -264,6 +264,21 @@ def _check_users(mnt: str) -> Finding:
                                     "--allow-other (-o allow_other) to let them in")
 
 
+def _check_transport(t: dict[str, Any] | None) -> Finding:
+    """Which FUSE transport serves the mount, and why (the daemon's own account)."""
+    if not t:
+        return Finding("note", "transport", "pyfuse3 (a daemon too old to say)")
+    name = t.get("name", "?")
+    what = f"{name}{' with kernel passthrough' if t.get('passthrough') else ''}: {t.get('why', '')}"
+    if name == "native" and t.get("passthrough"):
+        what += (f"; {t.get('passthrough_opens', 0)} opens passed through "
+                 f"({format_size(t.get('passthrough_bytes', 0))})")
+    if t.get("unexpected_errors"):
+        return Finding("problem", "transport", f"{what}; {t['unexpected_errors']} requests failed with an "
+                                               "unexpected error (answered EIO): see the daemon's log")
+    return Finding("ok", "transport", what)
+
+
 def _check_metrics(addr: str, port: int) -> Finding:
     try:
         with socket.create_connection((addr if addr not in ("0.0.0.0", "::") else "127.0.0.1", port), 2):
@@ -308,6 +323,7 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
     out = [Finding("ok", "mount", f"daemon {pid} serves {doc['backing']} on {mnt} "
                                   f"(up {doc['uptime_s']:.0f}s; log: {log_file})")]
     out.append(_check_users(mnt))
+    out.append(_check_transport(doc.get("transport")))
     for t in doc["tiers"]:
         out += _check_tier(t)
     state = state_dir_for(mnt)
