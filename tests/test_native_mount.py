@@ -263,3 +263,17 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
         t.join(30)
         s.close(unmount=False)
     assert not t.is_alive()
+
+
+def test_passthrough_writes_only_leaves_resident_reads_to_the_daemon(tiermount, transport: str) -> None:
+    m = tiermount(ram="64MiB", extra=("--transport", "native", "-o", "passthrough=writes"))
+    needs_passthrough(m)
+    data = write_random(m.backing / "ro", MiB)
+    make_resident(m, "ro", len(data))
+    with open(m.mnt / "ro", "rb") as r, open(m.mnt / "ro", "r+b") as w:  # no ETXTBSY here
+        w.write(b"new")
+        w.flush()
+        assert r.read(3) == b"new"
+    (m.mnt / "ck").write_bytes(b"x" * MiB)  # a written file still passes through
+    t = m.stats()["transport"]
+    assert t["passthrough_opens_by_tier"] == {"ram": 1} and "written files only" in t["why"]

@@ -155,6 +155,11 @@ OPTIONS: tuple[Option, ...] = (
            "written files, interrupts, 1 MiB requests; needs root), pyfuse3 (libfuse: unprivileged "
            "mounts, any kernel), or auto (native when the kernel offers passthrough and the daemon "
            "has CAP_SYS_ADMIN, else pyfuse3)"),
+    Option("passthrough", _choice("on", "writes", "off"), "on", "native transport: which opens the "
+           "kernel serves straight from a tier file (passthrough): on (files wholly resident in one "
+           "tier, and written files in the write tier), writes (written files only: a resident "
+           "file read through passthrough cannot be opened for writing until its readers close), "
+           "or off"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -198,6 +203,7 @@ class Config:
     writeback_deadline: float = 120.0
     fsync: str = "tier"
     transport: str = "auto"
+    passthrough: str = "on"
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

@@ -468,7 +468,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         options.add("allow_other")
     session: Session | None = None
     session = await start_session(cfg.transport, ops, plan.mountpoint, fsname=plan.backing,
-                                  options=options)
+                                  options=options, passthrough=cfg.passthrough)
     unmounted_cleanly = False
     exporter = None
     try:

@@ -441,14 +441,15 @@ class Handlers:
                 await self.wb.fsync(h.dirty)
 
     # -- passthrough ----------------------------------------------------------------------
-    async def lease(self, fh: int) -> Lease | None:
+    async def lease(self, fh: int, *, clean: bool = True) -> Lease | None:
         """For a transport that can hand an open file to the kernel (passthrough): a lease on
         the file holding every byte of handle ``fh``, or None (the daemon serves the handle).
 
         A handle of a dirty file: its write-tier data file (writable for a writer). A reader
         of a clean file: the tier file holding all of it, resident and current. A writer of a
         clean file: None (its first write makes the dirty copy, in the daemon). The lease is
-        kept on the handle and given back at :meth:`release` (or :meth:`drop_lease`)."""
+        kept on the handle and given back at :meth:`release` (or :meth:`drop_lease`).
+        ``clean``: False leases dirty files only."""
         with fuse_errors("lease"):
             h = self.handles.get(fh)
             if not isinstance(h, FileHandle) or h.lease is not None:
@@ -459,7 +460,7 @@ class Handlers:
                 if h.dirty is not df:
                     return None  # opened before the file became dirty: the daemon serves it
                 lease = await self.wb.lease_data(df, h.writer)
-            elif h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
+            elif not clean or h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
                 return None
             else:
                 lease = await self.cache.lease_resident(h.file)

@@ -13,7 +13,6 @@ returns a :class:`Session`; the mount code drives every transport through that.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Protocol
 
 from tierfs.errors import MountError
@@ -74,10 +73,11 @@ class Pyfuse3Session:
 
 
 async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsname: str,
-                        options: set[str]) -> Session:
+                        options: set[str], passthrough: str = "on") -> Session:
     """Mount ``mountpoint`` with transport ``kind`` (``auto``/``native``/``pyfuse3``) and
     answer INIT. ``options``: the pyfuse3 mount options (``allow_other`` is read from them for
-    the native transport). Raises MountError."""
+    the native transport). ``passthrough``: on, writes (dirty files only) or off (the
+    ``passthrough`` config key). Raises MountError."""
     from tierfs.transport import native
 
     if kind not in TRANSPORTS:
@@ -94,24 +94,26 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
                          "use --transport pyfuse3 for an unprivileged mount")
     fd = native.mount_fuse(mountpoint, fsname=fsname, subtype="tierfs",
                            allow_other="allow_other" in options)
-    no_pt = bool(os.environ.get("TIERFS_NATIVE_NO_PASSTHROUGH"))  # to compare, in benchmarks
-    s = native.NativeSession(handlers, fd, mountpoint, want_passthrough=not no_pt)
+    no_pt = passthrough == "off"
+    s = native.NativeSession(handlers, fd, mountpoint, want_passthrough=not no_pt,
+                             clean_passthrough=passthrough == "on")
     try:
         ir = await s.init()
     except BaseException:
         s.close(unmount=True)
         raise
     proto = f"kernel FUSE 7.{ir.kernel_minor}"
-    if kind == "auto" and not ir.passthrough:
+    if kind == "auto" and not ir.passthrough and not no_pt:
         s.close(unmount=True)
         return Pyfuse3Session(handlers, mountpoint, options,
                               f"auto: the {proto} offers no passthrough (Linux 6.9+ with "
                               "CONFIG_FUSE_PASSTHROUGH)")
     if ir.passthrough:
         s.why = (f"{'auto' if kind == 'auto' else 'asked for'}: the {proto} offers passthrough "
-                 "and the daemon has CAP_SYS_ADMIN")
+                 "and the daemon has CAP_SYS_ADMIN"
+                 + ("; written files only (passthrough = writes)" if passthrough == "writes" else ""))
     elif no_pt:
-        s.why = "asked for; passthrough off (TIERFS_NATIVE_NO_PASSTHROUGH)"
+        s.why = f"{'auto' if kind == 'auto' else 'asked for'}; passthrough off (passthrough = off)"
     else:
         s.why = f"asked for; passthrough off: the {proto} does not offer it"
     return s

@@ -241,13 +241,16 @@ class NativeSession:
     Args:
         handlers: the filesystem. fd: from :func:`mount_fuse`. mountpoint: for unmount.
         want_passthrough: negotiate passthrough if the kernel offers it (the caller checked
-            CAP_SYS_ADMIN).
+            CAP_SYS_ADMIN). clean_passthrough: pass through clean files' tier copies too (else
+            written files only).
     """
 
     name = "native"
 
-    def __init__(self, handlers: Handlers, fd: int, mountpoint: str, *, want_passthrough: bool) -> None:
+    def __init__(self, handlers: Handlers, fd: int, mountpoint: str, *, want_passthrough: bool,
+                 clean_passthrough: bool = True) -> None:
         self.h = handlers
+        self.clean_passthrough = clean_passthrough
         self.fd = fd
         self.mountpoint = mountpoint
         self.want_passthrough = want_passthrough
@@ -460,7 +463,7 @@ class NativeSession:
             return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if r.keep_cache else 0)
         io = pt.inodes.get(inode)
         if io is None or io.cached == 0:
-            lease = await self.h.lease(r.fh)
+            lease = await self.h.lease(r.fh, clean=self.clean_passthrough)
             io = pt.inodes.get(inode)  # again: a cached open may have been answered meanwhile
             if lease is not None and io is not None and io.cached:
                 self.h.drop_lease(r.fh)
