@@ -99,12 +99,17 @@ def test_c01_safetensors_safe_open_and_shared_mmap(tiermount, tmp_path: Path) ->
         finally:
             os.close(fd)
 
+    def served(doc: dict) -> tuple[int, int]:
+        """(bytes the daemon served, opens the kernel served from a tier file: passthrough)"""
+        return (doc["scheduler"]["backing_bytes_read"] + doc["cache"]["bytes_served_from_tiers"],
+                (doc.get("transport") or {}).get("passthrough_opens", 0))
+
     check_all()
-    drop_page_cache(p)  # cold: every page faults into the daemon again
-    before = m.stats()["scheduler"]["backing_bytes_read"] + m.stats()["cache"]["bytes_served_from_tiers"]
+    drop_page_cache(p)  # cold: every page faults into the daemon again (or into the tier file)
+    before = served(m.stats())
     check_all()
-    after = m.stats()["scheduler"]["backing_bytes_read"] + m.stats()["cache"]["bytes_served_from_tiers"]
-    assert after > before, "the cold pass never reached the daemon"
+    after = served(m.stats())
+    assert after[0] > before[0] or after[1] > before[1], "the cold pass was never served"
 
 
 # -- C02 -----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.fs.api import Attr, FuseError
+from tierfs.fs.api import Attr, FuseError, OpenReply
 from tierfs.transport import codec as c
 from tierfs.transport import native
 
@@ -163,6 +163,7 @@ class StubHandlers:
         self.forgotten: list[tuple[int, int]] = []
         self.read_cancelled = False
         self.reading = trio.Event()
+        self.released: list[int] = []
 
     async def getattr(self, inode, ctx=None):
         return Attr(st_ino=inode, st_mode=0o100644, st_nlink=1)
@@ -176,6 +177,12 @@ class StubHandlers:
         self.forgotten.extend(items)
         if any(i == 666 for i, _ in items):
             raise RuntimeError("a bug in forget")
+
+    async def open(self, inode, flags, ctx):
+        return OpenReply(77)
+
+    async def release(self, fh):
+        self.released.append(fh)
 
     async def read(self, fh, off, size):
         self.reading.set()
@@ -324,3 +331,24 @@ def test_reply_to_a_forgotten_request_does_not_end_the_loop(monkeypatch):
 
     s, _ = _run(script)
     assert s.stale_replies == 1
+
+
+def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
+    real = os.writev
+
+    def writev(fd, parts):
+        if c.OUT_HEADER.unpack_from(parts[0])[2] == 50:  # the open's reply: its opener is gone
+            raise OSError(errno.ENOENT, "No such file or directory")
+        return real(fd, parts)
+
+    monkeypatch.setattr(native.os, "writev", writev)
+
+    async def script(peer, stub):
+        await peer.reply()
+        await peer.send(req(c.OPEN, struct.pack("<II", os.O_RDONLY, 0), unique=50, nodeid=5))
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=51, nodeid=5))
+        assert (await peer.reply())[:2] == (51, 0)
+        await trio.testing.wait_all_tasks_blocked()
+
+    s, stub = _run(script)
+    assert stub.released == [77] and s.stale_replies == 1

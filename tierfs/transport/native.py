@@ -27,6 +27,7 @@ import errno
 import fcntl
 import logging
 import os
+import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,7 @@ INTERRUPTIBLE = frozenset({c.LOOKUP, c.GETATTR, c.READ, c.READDIR, c.READDIRPLUS
                            c.OPENDIR, c.STATFS, c.GETXATTR, c.LISTXATTR, c.READLINK, c.FSYNC,
                            c.ACCESS})
 NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
+_OPENS = {c.OPEN: 0, c.OPENDIR: 0, c.CREATE: c.ENTRY_HEAD.size + c.ATTR.size}  # where fh is in the reply
 CAP_SYS_ADMIN = 21
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
@@ -425,19 +427,35 @@ class NativeSession:
             self._send(c.error_reply(req.unique, err))
         elif isinstance(payload, list):
             self._send_parts(req.unique, payload)
-        else:
-            self._send(c.reply(req.unique, payload or b""))
+        elif not self._send(c.reply(req.unique, payload or b"")) and op in _OPENS and payload:
+            await self._release_unseen(op, payload)
 
-    def _send(self, data: bytes) -> None:
-        self._send_raw([data])
+    async def _release_unseen(self, op: int, payload: bytes) -> None:
+        """An open whose reply the kernel did not take (its opener was killed meanwhile): the
+        kernel will never release the handle, so release it here."""
+        (fh,) = struct.unpack_from("<Q", payload, _OPENS[op])
+        with trio.CancelScope(shield=True):
+            if op == c.OPENDIR:
+                await self.h.releasedir(fh)
+            else:
+                try:
+                    await self.h.release(fh)
+                finally:
+                    if self.pt is not None:
+                        self.pt.released(fh)
 
-    def _send_parts(self, unique: int, parts: list[bytes]) -> None:
+    def _send(self, data: bytes) -> bool:
+        return self._send_raw([data])
+
+    def _send_parts(self, unique: int, parts: list[bytes]) -> bool:
         n = sum(len(p) for p in parts)
-        self._send_raw([c.out_header(unique, 0, n), *parts])
+        return self._send_raw([c.out_header(unique, 0, n), *parts])
 
-    def _send_raw(self, parts: list[bytes]) -> None:
+    def _send_raw(self, parts: list[bytes]) -> bool:
+        """Write one reply; False if the kernel did not take it."""
         try:
             os.writev(self.fd, parts)
+            return True
         except OSError as e:
             if e.errno == errno.ENOENT:  # interrupted and answered, or aborted: nobody waits
                 self.stale_replies += 1
@@ -445,6 +463,7 @@ class NativeSession:
                 pass
             else:
                 log.error("native transport: reply refused by the kernel: %s", e)
+            return False
 
     # -- handlers ----------------------------------------------------------------------------
     @staticmethod
