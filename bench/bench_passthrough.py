@@ -475,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     if has_transport_option():
         args.transport_args = ["--transport", args.transport]
         res["transport_note"] = "tierfs mount --transport " + args.transport
+        if args.transport != "pyfuse3":  # resident reads pass through only with passthrough = on
+            args.transport_args += ["-o", "passthrough=on"]
+            res["transport_note"] += " -o passthrough=on"
     elif args.transport == "pyfuse3":
         args.transport_args = []
         res["transport_note"] = "this tierfs has no --transport option: pyfuse3, the only transport"

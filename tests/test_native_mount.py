@@ -61,7 +61,7 @@ def wait_for(pred, what: str, deadline_s: float = 60) -> None:  # type: ignore[n
 
 @pytest.fixture
 def nm(tiermount, transport: str) -> Mount:  # type: ignore[no-untyped-def]
-    m = tiermount(ram="128MiB", extra=("--transport", "native"))
+    m = tiermount(ram="128MiB", extra=("--transport", "native", "-o", "passthrough=on"))
     needs_passthrough(m)
     return m
 
@@ -163,6 +163,17 @@ def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
 
 
+def test_np_load_r_plus_of_a_resident_file_is_refused_with_passthrough_on(nm: Mount) -> None:
+    """The documented cost of passthrough = on: np.load(mmap_mode='r+') holds a read-only open
+    (passed through to the tier copy) while it opens the file for writing."""
+    np = pytest.importorskip("numpy")
+    np.save(nm.backing / "r.npy", np.zeros(MiB, dtype=np.int32))
+    make_resident(nm, "r.npy", (nm.backing / "r.npy").stat().st_size)
+    with pytest.raises(OSError) as ei:
+        np.load(nm.mnt / "r.npy", mmap_mode="r+")
+    assert ei.value.errno == errno.ETXTBSY
+
+
 def test_writer_of_a_file_read_through_its_tier_copy_is_refused_not_corrupting(nm: Mount) -> None:
     data = write_random(nm.backing / "ro", MiB)
     make_resident(nm, "ro", len(data))
@@ -240,8 +251,8 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     fs = HangingFS()
-    fd = native.mount_fuse(str(mnt), fsname="hang", subtype="tierfs-test", allow_other=False)
-    s = native.NativeSession(fs, fd, str(mnt), want_passthrough=False)  # type: ignore[arg-type]
+    fd, real = native.mount_fuse(str(mnt), fsname="hang", subtype="tierfs-test", allow_other=False)
+    s = native.NativeSession(fs, fd, real, want_passthrough=False)  # type: ignore[arg-type]
     token: list = []
 
     async def serve() -> None:
@@ -266,7 +277,7 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
 
 
 def test_passthrough_writes_only_leaves_resident_reads_to_the_daemon(tiermount, transport: str) -> None:
-    m = tiermount(ram="64MiB", extra=("--transport", "native", "-o", "passthrough=writes"))
+    m = tiermount(ram="64MiB", extra=("--transport", "native"))  # the default: passthrough = writes
     needs_passthrough(m)
     data = write_random(m.backing / "ro", MiB)
     make_resident(m, "ro", len(data))

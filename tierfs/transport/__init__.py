@@ -73,7 +73,7 @@ class Pyfuse3Session:
 
 
 async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsname: str,
-                        options: set[str], passthrough: str = "on") -> Session:
+                        options: set[str], passthrough: str = "writes") -> Session:
     """Mount ``mountpoint`` with transport ``kind`` (``auto``/``native``/``pyfuse3``) and
     answer INIT. ``options``: the pyfuse3 mount options (``allow_other`` is read from them for
     the native transport). ``passthrough``: on, writes (dirty files only) or off (the
@@ -92,8 +92,8 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
     if not cap:
         raise MountError("the native transport mounts with mount(2) and needs root (CAP_SYS_ADMIN); "
                          "use --transport pyfuse3 for an unprivileged mount")
-    fd = native.mount_fuse(mountpoint, fsname=fsname, subtype="tierfs",
-                           allow_other="allow_other" in options)
+    fd, mountpoint = native.mount_fuse(mountpoint, fsname=fsname, subtype="tierfs",
+                                       allow_other="allow_other" in options)
     no_pt = passthrough == "off"
     s = native.NativeSession(handlers, fd, mountpoint, want_passthrough=not no_pt,
                              clean_passthrough=passthrough == "on")
@@ -111,7 +111,8 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
     if ir.passthrough:
         s.why = (f"{'auto' if kind == 'auto' else 'asked for'}: the {proto} offers passthrough "
                  "and the daemon has CAP_SYS_ADMIN"
-                 + ("; written files only (passthrough = writes)" if passthrough == "writes" else ""))
+                 + ("; written files only (passthrough = writes)" if passthrough == "writes"
+                    else "; resident and written files (passthrough = on)"))
     elif no_pt:
         s.why = f"{'auto' if kind == 'auto' else 'asked for'}; passthrough off (passthrough = off)"
     else:

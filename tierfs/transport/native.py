@@ -79,11 +79,13 @@ def has_cap_sys_admin() -> bool:
     return os.geteuid() == 0
 
 
-def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> int:
+def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> tuple[int, str]:
     """Open ``/dev/fuse`` and mount it on ``mountpoint`` with mount(2) (needs CAP_SYS_ADMIN).
     Options as the pyfuse3 transport's: ``default_permissions`` (the kernel checks modes),
-    ``noatime``, ``nosuid``, ``nodev``. Returns the descriptor (non-blocking, close-on-exec).
-    Raises MountError."""
+    ``noatime``, ``nosuid``, ``nodev``. Returns the descriptor (non-blocking, close-on-exec) and
+    the mountpoint resolved (before mounting: once mounted, resolving it asks the daemon, which
+    must then be serving). Raises MountError."""
+    mountpoint = os.path.realpath(mountpoint)
     fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
     st = os.stat(mountpoint)
     opts = (f"fd={fd},rootmode={st.st_mode & 0o170000:o},user_id={os.geteuid()},"
@@ -96,16 +98,16 @@ def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool)
         e = ctypes.get_errno()
         os.close(fd)
         raise MountError(f"FUSE mount of {mountpoint} failed: {os.strerror(e)}")
-    return fd
+    return fd, mountpoint
 
 
 def unmount_detach(mountpoint: str) -> bool:
     return _libc.umount2(mountpoint.encode(), MNT_DETACH) == 0
 
 
-def _fstype(path: str) -> str | None:
-    """The type of what is mounted on top of ``path`` (/proc/self/mounts), or None."""
-    real = os.path.realpath(path)
+def _fstype(real: str) -> str | None:
+    """The type of what is mounted on top of ``real`` (a resolved path; /proc/self/mounts), or
+    None."""
     found = None
     with open("/proc/self/mounts") as f:
         for line in f:
@@ -251,6 +253,8 @@ class NativeSession:
 
     def __init__(self, handlers: Handlers, fd: int, mountpoint: str, *, want_passthrough: bool,
                  clean_passthrough: bool = True) -> None:
+        """``mountpoint``: as /proc/self/mounts names it (resolved before mounting: resolving
+        it now would ask this very daemon for the mount's root)."""
         self.h = handlers
         self.clean_passthrough = clean_passthrough
         self.fd = fd
@@ -361,9 +365,12 @@ class NativeSession:
         self.closed = True
         if self.pt is not None:
             self.pt.close_all()
-        if unmount and not self.ended and _fstype(self.mountpoint) == "fuse.tierfs":
-            unmount_detach(self.mountpoint)
-        os.close(self.fd)
+        try:
+            # never a stat of the mountpoint here: the loop that would answer it is not running
+            if unmount and not self.ended and _fstype(self.mountpoint) == "fuse.tierfs":
+                unmount_detach(self.mountpoint)
+        finally:
+            os.close(self.fd)
 
     def _dispatch(self, raw: bytes, nursery: trio.Nursery) -> None:
         try:
@@ -387,6 +394,11 @@ class NativeSession:
             return
         if op == c.WRITE:
             self._write_bytes += len(req.args["data"])
+        elif op == c.RELEASE and self.pt is not None:
+            # Counted down now, in the order the kernel sent the requests, not when the release's
+            # task runs: the kernel forgets an open's mode before it sends RELEASE, and an OPEN
+            # read after it must not find the old open still counted (a writer would be refused).
+            self.pt.released(req.args["fh"])
         nursery.start_soon(self._serve, req, handler, name=f"fuse.{c.OPCODE_NAMES.get(op, op)}")
 
     def _interrupt(self, unique: int) -> None:
@@ -533,12 +545,7 @@ class NativeSession:
         raise AssertionError("unreachable")  # for mypy: a shielded scope does not swallow
 
     async def op_release(self, req: c.Request) -> None:
-        fh = req.args["fh"]
-        try:
-            await self.h.release(fh)
-        finally:
-            if self.pt is not None:
-                self.pt.released(fh)
+        await self.h.release(req.args["fh"])  # the inode's open modes were counted down at read
 
     async def op_read(self, req: c.Request) -> bytes:
         a = req.args
@@ -591,7 +598,7 @@ class NativeSession:
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
             "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
-            "requests_by_opcode": dict(self.requests.most_common()),
+            "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
         if self.pt is not None:
             s = self.pt.stats
