@@ -45,6 +45,10 @@ if TRANSPORT_CHOICE not in ("pyfuse3", "native", "both"):
     raise pytest.UsageError(f"TIERFS_TEST_TRANSPORT={TRANSPORT_CHOICE!r}: pyfuse3, native or both")
 TRANSPORTS = ["pyfuse3", "native"] if TRANSPORT_CHOICE == "both" else [TRANSPORT_CHOICE]
 CURRENT = {"transport": TRANSPORTS[0]}
+# mount options for a test of the daemon's own write path (write-through when the write tier is
+# full, its log lines): with passthrough the kernel writes a file being written, by design
+# overrunning a full tier instead (docs/writes.md, "Passthrough writes")
+DAEMON_WRITES = ("-o", "passthrough=off")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

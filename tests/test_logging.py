@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, is_mounted, needs_fuse, tierfs_cmd, tmpfs, write_random
+from tests.conftest import (
+    DAEMON_WRITES,
+    REPO,
+    is_mounted,
+    needs_fuse,
+    tierfs_cmd,
+    tmpfs,
+    write_random,
+)
 from tierfs import logevents
 
 MiB = 1 << 20
@@ -111,7 +119,7 @@ def test_one_line_per_event_and_none_per_read(tiermount, tmp_path: Path) -> None
     log = tmp_path / "daemon.log"
     for i in range(200):
         write_random(tmp_path / "back" / "d" / f"f{i:03}", 20_000, seed=i)
-    m = tiermount(ram="8MiB", extra=("-o", f"log_file={log},writeback_deadline=60"))
+    m = tiermount(ram="8MiB", extra=("-o", f"log_file={log},writeback_deadline=60", *DAEMON_WRITES))
     before = log_lines(log)
     assert count(before, r"INFO: mounted .* on .*; tiers: ram=8.0 MiB") == 1
     for _ in range(2):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import needs_fuse, tierfs_cmd, tmpfs, write_random
+from tests.conftest import DAEMON_WRITES, needs_fuse, tierfs_cmd, tmpfs, write_random
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 MiB = 1 << 20
@@ -21,7 +21,7 @@ def sha(data: bytes) -> str:
 
 
 def test_file_larger_than_write_tier_is_written_through(tiermount, tmp_path: Path) -> None:
-    m = tiermount(ram="8MiB", ssd="16MiB", extra=("-o", "writeback_deadline=1"))
+    m = tiermount(ram="8MiB", ssd="16MiB", extra=("-o", "writeback_deadline=1", *DAEMON_WRITES))
     payload = os.urandom(48 * MiB)
     with open(m.mnt / "big.ckpt", "wb") as f:
         for i in range(0, len(payload), MiB):
@@ -45,7 +45,7 @@ def test_written_through_file_written_again_after_its_commit(tiermount, tmp_path
     durable again: the daemon survives and the backing store holds the new bytes (np.memmap w+
     followed by flush did this, and the second write-back failed an assertion and killed the
     daemon)."""
-    m = tiermount(ram="8MiB", ssd=None, extra=("--write-tier", "ram"))
+    m = tiermount(ram="8MiB", ssd=None, extra=("--write-tier", "ram", *DAEMON_WRITES))
     payload = bytearray(os.urandom(24 * MiB))
     fd = os.open(m.mnt / "w.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:

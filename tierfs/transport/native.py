@@ -593,7 +593,7 @@ class NativeSession:
             "name": "native", "passthrough": self.passthrough, "why": self.why,
             "protocol": f"{c.KERNEL_MAJOR}.{c.KERNEL_MINOR}",
             "kernel_protocol": f"{c.KERNEL_MAJOR}.{ir.kernel_minor}" if ir else None,
-            "negotiated": sorted(n for b, n in c.INIT_FLAG_NAMES.items() if ir and ir.granted & b),
+            "negotiated": " ".join(sorted(n for b, n in c.INIT_FLAG_NAMES.items() if ir and ir.granted & b)),
             "requests": sum(self.requests.values()),
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
