@@ -352,3 +352,4 @@ def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
 
     s, stub = _run(script)
     assert stub.released == [77] and s.stale_replies == 1
+

@@ -399,7 +399,11 @@ class NativeSession:
             # task runs: the kernel forgets an open's mode before it sends RELEASE, and an OPEN
             # read after it must not find the old open still counted (a writer would be refused).
             self.pt.released(req.args["fh"])
-        nursery.start_soon(self._serve, req, handler, name=f"fuse.{c.OPCODE_NAMES.get(op, op)}")
+        # registered now, not when the task first runs, so that an INTERRUPT read next always finds
+        # it (today every read waits in wait_readable, a checkpoint, so the task has run by then)
+        scope = trio.CancelScope()
+        self._inflight[req.unique] = (op, scope)
+        nursery.start_soon(self._serve, req, handler, scope, name=f"fuse.{c.OPCODE_NAMES.get(op, op)}")
 
     def _interrupt(self, unique: int) -> None:
         self.interrupts += 1
@@ -407,10 +411,8 @@ class NativeSession:
         if got is not None and got[0] in INTERRUPTIBLE:
             got[1].cancel()
 
-    async def _serve(self, req: c.Request, handler: _Handler) -> None:
+    async def _serve(self, req: c.Request, handler: _Handler, scope: trio.CancelScope) -> None:
         op = req.opcode
-        scope = trio.CancelScope()
-        self._inflight[req.unique] = (op, scope)
         payload: bytes | list[bytes] | None = None
         err = 0
         try:
@@ -428,7 +430,7 @@ class NativeSession:
                       exc_info=log.isEnabledFor(logging.DEBUG))
             err = errno.EIO
         finally:
-            del self._inflight[req.unique]
+            self._inflight.pop(req.unique, None)
             if op == c.WRITE:
                 self._write_bytes -= len(req.args["data"])
                 if self._write_bytes <= MAX_WRITE_BYTES_IN_FLIGHT:
