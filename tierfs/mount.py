@@ -434,6 +434,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
+        doc["fuse"]["requests"] = dict(ops.requests)  # by handler; flush counts its one ENOSYS
+        doc["fuse"]["stale_opens"] = ops.stale_opens
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None

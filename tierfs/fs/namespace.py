@@ -12,11 +12,17 @@ the write tier (:meth:`Namespace.make_dirty`) and keeps the table of open backin
 It knows no transport: it raises :class:`~tierfs.fs.api.FuseError` where POSIX names an errno,
 typed tierfs errors or OSError otherwise (mapped at the boundary, :mod:`tierfs.fs.handlers`).
 
-Kernel caching, chosen for correctness first:
-* regular files: ``entry_timeout=0`` so every path resolution (every ``open``) asks the daemon,
-  which re-stats the backing file; a change made behind tierfs' back is therefore seen by the
-  next open. ``attr_timeout`` = the configured value for ``fstat`` on an open file.
-* directories: both timeouts = the configured value (path walks stay cheap).
+Kernel caching: names and attributes of every object are cached by the kernel for the
+configured ``attr_timeout`` (entry and attribute timeouts alike), and a change made behind
+tierfs' back is still seen by the next ``open``: an open always reaches the daemon, which opens
+the backing file and compares it with the attributes it last told the kernel about this inode
+(:attr:`InodeEntry.told`). If they differ (replaced, or changed in place), the open answers
+``ESTALE`` once; the kernel's VFS then repeats the path walk with ``LOOKUP_REVAL``, which sends
+a fresh LOOKUP for the cached name (fs/namei.c, ``do_filp_open``), so the kernel learns the new
+size and times (or the new inode) before the open that follows. Until that open, ``stat`` of a
+changed file may show the old attributes for up to ``attr_timeout`` (``attr_timeout=0`` asks
+the daemon every time). Measured: with ``entry_timeout=0`` every open of a cached file cost one
+more round trip (a LOOKUP), and ``lstat`` after ``readdir`` one more per file.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.fs")
 CONTROL_NAME = wire.CONTROL_DIR.encode()
+
+
+def told_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What identifies the attributes the kernel holds of a backing object: (st_dev, st_ino,
+    st_size, st_mtime_ns, st_ctime_ns)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def lstat_or_none(tree: BackingTree, rel: bytes) -> os.stat_result | None:
@@ -116,9 +128,14 @@ class Namespace:
 
     # -- attributes ------------------------------------------------------------------------
     def attrs(self, inode: int, st: os.stat_result, *, nlink: int | None = None) -> Attr:
-        is_dir = stat.S_ISDIR(st.st_mode)
-        return Attr.of(inode, st, nlink=nlink, entry_timeout=self.attr_timeout if is_dir else 0,
+        return Attr.of(inode, st, nlink=nlink, entry_timeout=self.attr_timeout,
                        attr_timeout=self.attr_timeout)
+
+    def clean_attrs(self, entry: InodeEntry, st: os.stat_result, *, nlink: int | None = None) -> Attr:
+        """The reply for a backing object's attributes ``st``; remembered as what the kernel
+        was told (an open compares the backing file with it: module docstring)."""
+        entry.told = told_key(st)
+        return self.attrs(entry.inode, st, nlink=nlink)
 
     async def dirty_attrs(self, entry: InodeEntry, df: DirtyFile) -> Attr:
         nlink = 1 if df.path is not None else 0
@@ -130,6 +147,7 @@ class Namespace:
                 st = None
             if st is not None and stat.S_ISREG(st.st_mode):
                 nlink = st.st_nlink
+        entry.told = None  # a data file's attributes: nothing to compare a backing file with
         return self.attrs(entry.inode, await self.wb.stat(df), nlink=nlink)
 
     def held_fd(self, entry: InodeEntry) -> int | None:
@@ -183,7 +201,7 @@ class Namespace:
             isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
             for h in self.handles.handles.values())
         # unlinked but open, answered by a data file: its link is the tier's, no name links it
-        return self.attrs(entry.inode, st, nlink=0 if held_dirty else None)
+        return self.clean_attrs(entry, st, nlink=0 if held_dirty else None)
 
     # -- names -----------------------------------------------------------------------------
     async def lookup_path(self, path: bytes) -> Attr:
@@ -198,7 +216,7 @@ class Namespace:
             entry.dirty = None
         if entry.dirty is not None:  # another hard link of a file being written
             return await self.dirty_attrs(entry, entry.dirty)
-        return self.attrs(entry.inode, st)
+        return self.clean_attrs(entry, st)
 
     async def lookup(self, parent_inode: int, name: bytes) -> Attr:
         """``name`` in a directory of the backing tree (not the control directory)."""
@@ -209,7 +227,7 @@ class Namespace:
             entry = parent
             st = await self.lstat(entry)
             entry.lookups += 1
-            return self.attrs(entry.inode, st)
+            return self.clean_attrs(entry, st)
         if name == b"..":
             assert parent.path is not None
             rel = os.path.dirname(parent.path)
@@ -217,7 +235,7 @@ class Namespace:
             entry = self.inodes.remember(rel, st) if rel else self.inodes.get(ROOT)
             if not rel:
                 entry.lookups += 1
-            return self.attrs(entry.inode, st)
+            return self.clean_attrs(entry, st)
         return await self.lookup_path(self.inodes.child_path(parent, name))
 
     async def exists(self, path: bytes) -> os.stat_result | DirtyFile | None:
@@ -259,7 +277,7 @@ class Namespace:
             entry = self.inodes.remember_dirty(path, obj)
             return entry, await self.dirty_attrs(entry, obj)
         entry = self.inodes.remember(path, obj)
-        return entry, self.attrs(entry.inode, obj)
+        return entry, self.clean_attrs(entry, obj)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestCtx) -> Attr:
         path = self.new_child(parent_inode, name)
@@ -426,7 +444,7 @@ class Namespace:
                 raise
             if src_is_dir:
                 self.wb.rename_dir(old, new)
-        self.inodes.rename(old, new)
+        self.inodes.rename(old, new, subtree=src_is_dir)
 
     async def _rename_dirty(self, src: DirtyFile, old: bytes, new: bytes) -> bool:
         """Rename a dirty file in the write tier; False if it was written back meanwhile (the
@@ -506,6 +524,10 @@ class Namespace:
         """The open backing file at ``rel`` (shared by every open of one identity), with one
         more open counted; give it back with :meth:`release_backing`."""
         fd, st = await self.meta.run(open_backing, self.tree, rel)
+        return self._adopt(rel, fd, st)
+
+    def _adopt(self, rel: bytes, fd: int, st: os.stat_result) -> BackingFile:
+        """:meth:`backing_file` of a descriptor just opened at ``rel``."""
         identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:
@@ -526,6 +548,24 @@ class Namespace:
                 del self.open_files[f.key]
         f.release()
 
+    def _keep_committed(self, entry: InodeEntry, rel: bytes, st: os.stat_result) -> None:
+        """A kept entry (its name replaced while the kernel held it: :meth:`preserve`) whose
+        dirty file was committed meanwhile, during the replacing rename's wait for that
+        commit: its data file is released now, so the backing file it became is kept open
+        instead (the entry's orphan), or a reader that resolved the name before the rename
+        (from the kernel's entry cache, without waiting for the rename) got ENOENT at open.
+        Synchronous (one open, rarely: only in that race)."""
+        try:
+            fd, got = open_backing(self.tree, rel)
+        except OSError:
+            return
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)  # replaced already: nothing left to keep
+            return
+        bf = self._adopt(rel, fd, got)
+        entry.orphan = bf
+        entry.kept = False  # type: ignore[attr-defined]
+
     # -- callbacks (inode table, write-back) ---------------------------------------------------
     def on_forget(self, entry: InodeEntry) -> None:
         if entry.orphan is not None:
@@ -539,6 +579,8 @@ class Namespace:
         entry = self.inodes.by_inode.get(df.inode)
         if entry is None or entry.dirty is not df:
             return
+        if entry.path is None and getattr(entry, "kept", False) and st is not None and df.path is not None:
+            self._keep_committed(entry, df.path, st)
         entry.dirty = None
         if st is not None and df.path is not None:
             self.inodes.rekey(entry, (st.st_dev, st.st_ino))
