@@ -436,6 +436,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["fuse"]["requests"] = dict(ops.requests)  # by handler; flush counts its one ENOSYS
         doc["fuse"]["stale_opens"] = ops.stale_opens
+        doc["fuse"]["readdir_entries_held_max"] = ops.readdir_held_max
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None

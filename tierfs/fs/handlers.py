@@ -42,6 +42,7 @@ from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
 
 
 @contextmanager
@@ -117,6 +118,7 @@ class Handlers:
         self.writes = 0
         self.write_bytes = 0
         self.stale_opens = 0  # opens answered ESTALE: the file changed behind tierfs' back
+        self.readdir_held_max = 0  # most entries one open directory's listing held at once
         # requests answered, by handler name (stats "fuse.requests": how many round trips a
         # workload costs, e.g. whether the kernel's entry cache spared a LOOKUP)
         self.requests: collections.Counter[str] = collections.Counter()
@@ -153,9 +155,13 @@ class Handlers:
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         self.requests["forget"] += 1
-        for inode, n in inode_list:
+        for k, (inode, n) in enumerate(inode_list, 1):
             with logged_errors("forget"):  # one bad inode must not leak the others' lookups
                 self.inodes.forget(inode, n)
+            if k % FORGET_STEP == 0:
+                # the kernel batches thousands of forgets after a big listing: give the loop
+                # to other requests between steps (a step costs a few ms)
+                await trio.lowlevel.checkpoint()
 
     async def getattr(self, inode: int, ctx: RequestCtx | None = None) -> Attr:
         with self._op("getattr"):
@@ -220,7 +226,7 @@ class Handlers:
         with self._op("opendir"):
             if inode != CONTROL_DIR:
                 self.inodes.rel(self.inodes.get(inode))  # ENOENT for a removed directory
-            return self.handles.add(DirHandle(inode, []))
+            return self.handles.add(DirHandle(inode))
 
     async def readdir(self, fh: int, start_id: int, emit: DirEmit) -> None:
         """Entries from offset ``start_id`` on, each with its attributes; every entry the
@@ -232,26 +238,36 @@ class Handlers:
                 self.control.readdir(start_id, emit, self.attr_timeout)
                 return
             parent = self.inodes.get(h.inode)
-            if start_id == 0:
-                # listed when read from the start (first read, rewinddir), not at open: entries
-                # made after the open show, as on a local filesystem
-                h.entries = await self.ns.listing(parent)
-            for i in range(start_id, len(h.entries)):
-                name, obj = h.entries[i]
-                got = await self.ns.listed_attrs(parent, name, obj)
-                if got is None:
-                    continue
-                entry, attrs = got
-                entry.lookups -= 1  # counted only if the kernel takes the entry
-                if not emit(name, attrs, i + 1):
-                    self.inodes.forget(entry.inode, 0)
-                    return
-                entry.lookups += 1
+            if h.listing is None:
+                h.listing = self.ns.listing(parent)
+            lst = h.listing
+            # read a batch at a time (namespace.DirListing); started again when read from
+            # the start (first read, rewinddir), not at open: entries made after the open
+            # show, as on a local filesystem
+            await lst.seek(start_id)
+            i = start_id
+            try:
+                while (item := await lst.entry(i)) is not None:
+                    i += 1
+                    name, obj = item
+                    got = await self.ns.listed_attrs(parent, name, obj)
+                    if got is None:
+                        continue
+                    entry, attrs = got
+                    entry.lookups -= 1  # counted only if the kernel takes the entry
+                    if not emit(name, attrs, i):
+                        self.inodes.forget(entry.inode, 0)
+                        return
+                    entry.lookups += 1
+            finally:
+                self.readdir_held_max = max(self.readdir_held_max, lst.held)
 
     async def releasedir(self, fh: int) -> None:
         self.requests["releasedir"] += 1
         with logged_errors("releasedir"):
-            self.handles.pop(fh)
+            h = self.handles.pop(fh)
+            if isinstance(h, DirHandle) and h.listing is not None:
+                h.listing.close()
 
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
         with self._op("fsyncdir"):
