@@ -526,10 +526,6 @@ class Namespace:
         """The open backing file at ``rel`` (shared by every open of one identity), with one
         more open counted; give it back with :meth:`release_backing`."""
         fd, st = await self.meta.run(open_backing, self.tree, rel)
-        return self._adopt(rel, fd, st)
-
-    def _adopt(self, rel: bytes, fd: int, st: os.stat_result) -> BackingFile:
-        """:meth:`backing_file` of a descriptor just opened at ``rel``."""
         identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:
@@ -564,7 +560,15 @@ class Namespace:
         if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
             os.close(fd)  # replaced already: nothing left to keep
             return
-        bf = self._adopt(rel, fd, got)
+        identity = Identity.of(key_path(self.tree.root, rel), got)
+        bf = self.open_files.get(identity.key)
+        if bf is None or bf.fd < 0:
+            bf = BackingFile(identity, fd)
+            self.open_files[identity.key] = bf
+        else:
+            os.close(fd)
+        bf.acquire()
+        bf.opens += 1
         entry.orphan = bf
         entry.kept = False
 
