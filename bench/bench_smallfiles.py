@@ -15,6 +15,11 @@ Phases (figures in files/s or seconds; each FUSE phase runs on a fresh mount):
   tar       ``tar -xf`` of a --tar-files-file tar (1-16 KiB files, 100 directories) into the
             mount; for tierfs also the ``tierfs flush`` after it (write-back), reported apart.
   cp        ``cp -a`` of a tree of --cp-files files (1-64 KiB, 20 directories) into the mount.
+  latency   where a small-file read's time goes: after one epoch (tierfs: into the RAM tier) and
+            a page-cache drop, one process reads the epoch's files in turn, timing each
+            ``open``, the reads and ``close``; for tierfs also the requests the daemon answered
+            and the mean time inside each kind of handler (``stats.json`` ``fuse.requests`` and
+            ``fuse.request_seconds``). Run it alone: ``--phases latency``.
 
 Needs root (mounts, /sys/class/bdi/*/read_ahead_kb) and bindfs. Run from the repository root:
 
@@ -45,7 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 KiB = 1024
-PHASES = ("epoch", "walk", "rm", "tar", "cp")
+PHASES = ("epoch", "walk", "rm", "tar", "cp")  # and "latency", on request
 TARGETS = {  # (figure, baseline, minimum ratio) from the small-file goals in docs/benchmarks.md
     "epoch first": ("bindfs", 0.7),
     "epoch dropped": ("bindfs", 1.2),
@@ -194,6 +199,44 @@ def walk_lstat(root: Path) -> tuple[float, int]:
     return time.perf_counter() - t, n
 
 
+def latency(root: Path, names: list[str], mnt: Path | None) -> dict:
+    """Median microseconds of open, read-to-EOF and close of each file, one process; for a
+    tierfs mount ``mnt``, requests and mean microseconds inside each handler meanwhile."""
+    import statistics
+
+    def stats() -> dict:
+        return json.loads((mnt / ".tierfs" / "stats.json").read_text())["fuse"] if mnt else {}
+
+    before = stats()
+    buf = bytearray(256 * KiB)
+    view = memoryview(buf)
+    lo, lr, lc = [], [], []
+    t_all = time.perf_counter()
+    for n in names:
+        t0 = time.perf_counter()
+        fd = os.open(root / n, os.O_RDONLY)
+        t1 = time.perf_counter()
+        while os.readv(fd, [view]) > 0:
+            pass
+        t2 = time.perf_counter()
+        os.close(fd)
+        lc.append(time.perf_counter() - t2)
+        lo.append(t1 - t0)
+        lr.append(t2 - t1)
+    t_all = time.perf_counter() - t_all
+    out: dict = {"files_per_s": len(names) / t_all, "open_us": statistics.median(lo) * 1e6,
+                 "read_us": statistics.median(lr) * 1e6, "close_us": statistics.median(lc) * 1e6}
+    if mnt:
+        after = stats()
+        for op, k in after["requests"].items():
+            dn = k - before["requests"].get(op, 0)
+            if dn and op != "flush":
+                dt = after.get("request_seconds", {}).get(op, 0.0) - before.get("request_seconds", {}).get(op, 0.0)
+                out[f"{op} requests"] = dn
+                out[f"{op} handler_us"] = dt / dn * 1e6
+    return out
+
+
 def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
@@ -211,6 +254,18 @@ def run(args: argparse.Namespace) -> dict:
     phases = args.phases.split(",")
     fig: dict[str, dict[str, float]] = {}
     try:
+        if "latency" in phases:
+            log(f"making {args.files} files of 80-140 KiB")
+            names = make_tree(back / "lat", args.files, 100, 80 * KiB, 140 * KiB, 1)
+            for k in kinds:
+                with mounted(k, back, args.tierfs_args) as m:
+                    root = m / "lat"
+                    epoch(root, names, args.procs, 2)
+                    if k != "direct":
+                        drop_page_cache(root, names, args.procs)
+                    log(f"latency {k}")
+                    res.setdefault("latency", {})[k] = latency(root, names, m if k == "tierfs" else None)
+            shutil.rmtree(back / "lat")
         if "epoch" in phases or "walk" in phases:
             log(f"making {args.files} files of 80-140 KiB")
             names = make_tree(back / "ds", args.files, 100, 80 * KiB, 140 * KiB, 1)
@@ -336,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average {res['loadavg_start']} -> {res['loadavg_end']}; "
               f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
         print(table(res, args))
+        for k, lat in res.get("latency", {}).items():
+            print(f"latency {k}: " + ", ".join(f"{n} {v:,.1f}" if isinstance(v, float) else f"{n} {v}"
+                                             for n, v in lat.items()))
     return 0
 
 

@@ -441,6 +441,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
         doc["fuse"]["requests"] = dict(ops.requests)  # by handler; flush counts its one ENOSYS
+        doc["fuse"]["request_seconds"] = dict(ops.request_seconds)  # time in each handler
         doc["fuse"]["stale_opens"] = ops.stale_opens
         doc["fuse"]["readdir_entries_held_max"] = ops.readdir_held_max
         doc["hints"] = hints.statistics()

@@ -17,10 +17,10 @@ set on data files (it breaks shared mmap: numpy, lmdb, safetensors; design brief
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -65,6 +65,29 @@ def fuse_errors(what: str) -> Iterator[None]:
         # A bug must cost one request, never the daemon (and every user of the mount).
         log.exception("%s: unexpected error; answering EIO", what)
         raise FuseError(errno.EIO) from None
+
+
+class _Op:
+    """``with handlers._op(what)``: one request, timed into ``Handlers.request_seconds``, its
+    errors mapped as :func:`fuse_errors` maps them (a class, not a generator: this runs for
+    every request)."""
+
+    __slots__ = ("seconds", "t0", "what")
+
+    def __init__(self, what: str, seconds: collections.defaultdict[str, float]) -> None:
+        self.what = what
+        self.seconds = seconds
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        self.seconds[self.what] += time.perf_counter() - self.t0
+        if e is None or isinstance(e, (FuseError, trio.Cancelled)) or not isinstance(e, Exception):
+            return
+        with fuse_errors(self.what):
+            raise e
 
 
 @contextmanager
@@ -122,11 +145,15 @@ class Handlers:
         # requests answered, by handler name (stats "fuse.requests": how many round trips a
         # workload costs, e.g. whether the kernel's entry cache spared a LOOKUP)
         self.requests: collections.Counter[str] = collections.Counter()
+        # seconds spent in each kind of handler (awaits included: a handler that waits for
+        # the backing store counts its wait); with ``requests``, the handlers' share of a
+        # request's cost (docs/benchmarks.md, "Where a small-file read's time goes")
+        self.request_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 
-    def _op(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Count one ``what`` request; map its errors (:func:`fuse_errors`)."""
+    def _op(self, what: str) -> _Op:
+        """Count and time one ``what`` request; map its errors (:func:`fuse_errors`)."""
         self.requests[what] += 1
-        return fuse_errors(what)
+        return _Op(what, self.request_seconds)
 
     @property
     def nursery(self) -> trio.Nursery | None:
