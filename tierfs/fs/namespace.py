@@ -619,13 +619,17 @@ class DirListing:
         self.window: deque[tuple[bytes, Any]] = deque()
         self.first = 0  # ordinal of window[0]
         self.phase = 0  # 0: backing entries, 1: dirty-only files, 2: the end
+        # the directory's dirty files when the listing started, by name, less those the
+        # backing scan has met since: what phase 1 lists (taken first, so a file whose
+        # write-back commits during the scan is listed by one phase or the other)
+        self.dirty: dict[bytes, DirtyFile] = {}
         self.dirty_only: list[tuple[bytes, DirtyFile]] = []
         self.started = False
 
     @property
     def held(self) -> int:
         """Entries this listing holds now (the bound the class docstring gives)."""
-        return len(self.window) + len(self.dirty_only)
+        return len(self.window) + len(self.dirty_only) + len(self.dirty)
 
     def _skip(self, name: bytes) -> bool:
         return is_tmp_name(name) or (not self.rel and name == CONTROL_NAME)
@@ -635,6 +639,7 @@ class DirListing:
             self.it.close()
             self.it = None
         self.window.clear()
+        self.dirty = {}
         self.dirty_only = []
 
     async def seek(self, off: int) -> None:
@@ -643,6 +648,7 @@ class DirListing:
             return
         self.close()
         self.first, self.phase, self.started = 0, 0, True
+        self.dirty = dict(self.ns.wb.children(self.rel))
         self.it = await self.ns.meta.run(self.ns.tree.scan, self.rel)
 
     async def entry(self, i: int) -> tuple[bytes, Any] | None:
@@ -670,12 +676,16 @@ class DirListing:
                 if batch:
                     for name, st in batch:
                         df = self.ns.wb.get(self._child(name))
+                        self.dirty.pop(name, None)
                         self.window.append((name, df if df is not None else st))  # dirty shadows
                     return True
                 self.it.close()
                 self.it = None
                 self.phase = 1
-                self.dirty_only = await self._dirty_only()
+                # the dirty files the scan did not meet (written back since, they are
+                # listed all the same: listed_attrs then answers for the backing file)
+                self.dirty_only = sorted(self.dirty.items(), key=lambda x: x[0])
+                self.dirty = {}
             elif self.phase == 1 and self.dirty_only:
                 self.window.extend(self.dirty_only[:READDIR_BATCH])
                 del self.dirty_only[:READDIR_BATCH]
@@ -684,11 +694,3 @@ class DirListing:
                 self.phase = 2
                 return False
 
-    async def _dirty_only(self) -> list[tuple[bytes, DirtyFile]]:
-        """The dirty files of this directory the backing store has no entry for (the rest
-        were listed in place of their backing entry)."""
-        out = []
-        for name, df in self.ns.wb.children(self.rel):
-            if await self.ns.meta.run(lstat_or_none, self.ns.tree, self._child(name)) is None:
-                out.append((name, df))
-        return sorted(out, key=lambda x: x[0])
