@@ -274,10 +274,13 @@ class Handlers:
             await lst.seek(start_id)
             i = start_id
             try:
-                while (item := await lst.entry(i)) is not None:
+                while (item := lst.get(i) or await lst.entry(i)) is not None:
                     i += 1
                     name, obj = item
-                    got = await self.ns.listed_attrs(parent, name, obj)
+                    if type(obj) is os.stat_result:  # a backing entry: no await
+                        got: tuple[InodeEntry, Attr] | None = self.ns.listed_backing(parent, name, obj)
+                    else:
+                        got = await self.ns.listed_attrs(parent, name, obj)
                     if got is None:
                         continue
                     entry, attrs = got

@@ -265,6 +265,11 @@ class Namespace:
         """A new streamed listing of a directory (see :class:`DirListing`)."""
         return DirListing(self, self.inodes.rel(entry))
 
+    def listed_backing(self, parent: InodeEntry, name: bytes, st: os.stat_result) -> tuple[InodeEntry, Attr]:
+        """:meth:`listed_attrs` of a backing entry (no await: most entries of a listing)."""
+        entry = self.inodes.remember(self.inodes.child_path(parent, name), st)
+        return entry, self.clean_attrs(entry, st)
+
     async def listed_attrs(self, parent: InodeEntry, name: bytes, obj: Any) -> tuple[InodeEntry, Attr] | None:
         """The entry and attributes of one listed name (one lookup added), or None if it is
         gone since it was listed."""
@@ -650,6 +655,13 @@ class DirListing:
         self.first, self.phase, self.started = 0, 0, True
         self.dirty = dict(self.ns.wb.children(self.rel))
         self.it = await self.ns.meta.run(self.ns.tree.scan, self.rel)
+
+    def get(self, i: int) -> tuple[bytes, Any] | None:
+        """Entry ``i`` if the window holds it (no await: the common case), else None."""
+        k = i - self.first
+        if 0 <= k < len(self.window) and k <= READDIR_KEEP:
+            return self.window[k]
+        return None
 
     async def entry(self, i: int) -> tuple[bytes, Any] | None:
         """Entry ``i`` (``i >= first``: after :meth:`seek`), or None past the end."""
