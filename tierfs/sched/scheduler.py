@@ -216,10 +216,7 @@ class TransactionScheduler:
             # The caller owns what ``fn`` touches (a descriptor it closes when it unwinds).
             # A queued call is dropped, so it never runs after the caller has gone; a running
             # one (a bounded slice) is waited for, so the caller never closes a descriptor the
-            # device thread still writes to. Before this, a write-back cancelled by a rename
-            # closed its temporary file's descriptor while its slice ran; the slice's own
-            # close then hit the number the kernel had given a new file meanwhile (EBADF on a
-            # create under load, and writes into the wrong file possible).
+            # device thread still uses (its number may be another file's by then).
             if self._queues[task.klass].pop(task.key, None) is None and not task.done.is_set():
                 with trio.CancelScope(shield=True):
                     await task.done.wait()
