@@ -513,7 +513,7 @@ class Handlers:
                 await self.wb.fsync(h.dirty)
 
     # -- passthrough ----------------------------------------------------------------------
-    async def lease(self, fh: int, *, clean: bool = True) -> Lease | None:
+    async def lease(self, fh: int, *, clean: bool = True, written: bool = False) -> Lease | None:
         """For a transport that can hand an open file to the kernel (passthrough): a lease on
         the file holding every byte of handle ``fh``, or None (the daemon serves the handle).
 
@@ -521,7 +521,10 @@ class Handlers:
         of a clean file: the tier file holding all of it, resident and current. A writer of a
         clean file: None (its first write makes the dirty copy, in the daemon). The lease is
         kept on the handle and given back at :meth:`release` (or :meth:`drop_lease`).
-        ``clean``: False leases dirty files only."""
+        ``clean``: False leases dirty files only. ``written``: the file's other open handles
+        read its write-tier data file (the transport registered it): a reader then leases that
+        data file even once the file is written back and clean, while the file still holds it
+        (the same bytes; the kernel wants every open of an inode on one backing file)."""
         with fuse_errors("lease"):
             h = self.handles.get(fh)
             if not isinstance(h, FileHandle) or h.lease is not None:
@@ -532,6 +535,8 @@ class Handlers:
                 if h.dirty is not df:
                     return None  # opened before the file became dirty: the daemon serves it
                 lease = await self.wb.lease_data(df, h.writer)
+            elif written and df is not None and not h.writer and df.fd >= 0:
+                lease = await self.wb.lease_data(df, False)
             elif not clean or h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
                 return None
             else:

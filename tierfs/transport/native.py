@@ -496,7 +496,8 @@ class NativeSession:
             return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if r.keep_cache else 0)
         io = pt.inodes.get(inode)
         if io is None or io.cached == 0:
-            lease = await self.h.lease(r.fh, clean=self.clean_passthrough)
+            lease = await self.h.lease(r.fh, clean=self.clean_passthrough,
+                                       written=io is not None and io.pt > 0 and io.kind == "data")
             io = pt.inodes.get(inode)  # again: a cached open may have been answered meanwhile
             if lease is not None and io is not None and io.cached:
                 self.h.drop_lease(r.fh)
@@ -512,6 +513,13 @@ class NativeSession:
                     pt.stats.by_tier[lease.tier] += 1
                     return c.open_out(r.fh, c.FOPEN_PASSTHROUGH, bid)
                 self.h.drop_lease(r.fh)
+            if io is not None and io.pt and io.kind == "data" and not writer:
+                # A reader of a file whose open handles use its write-tier data file, which the
+                # handler layer no longer leases (written back and let go meanwhile): the same
+                # bytes, the newest written through this mount; share them.
+                pt.opened(r.fh, inode, "pt", writer)
+                pt.stats.opens += 1
+                return c.open_out(r.fh, c.FOPEN_PASSTHROUGH, io.backing_id)
             if io is not None and io.pt:
                 # the inode is open in passthrough mode on another file: the kernel refuses a
                 # cached open of it (EIO), and this one cannot share the backing file
