@@ -39,7 +39,9 @@ LOOP_STRICT = os.environ.get("TIERFS_TEST_LOOP_STRICT", "1") != "0"
 
 # The FUSE transport the real-mount fixtures mount with (tierfs.transport): TIERFS_TEST_TRANSPORT
 # = pyfuse3 | native | both (each real-mount test once per transport). Tests that mount through
-# ``tierfs_cmd("mount", ...)`` themselves get the current one too.
+# ``tierfs_cmd("mount", ...)`` themselves get the current one too. Default both (what `make test`
+# and CI run): the whole suite took 16:52 for 761 tests on the 2-core machine at load ~4 (native
+# alone 15:56 at load 7-10), inside CI's ~30 minutes.
 TRANSPORT_CHOICE = os.environ.get("TIERFS_TEST_TRANSPORT", "both")
 if TRANSPORT_CHOICE not in ("pyfuse3", "native", "both"):
     raise pytest.UsageError(f"TIERFS_TEST_TRANSPORT={TRANSPORT_CHOICE!r}: pyfuse3, native or both")
