@@ -200,3 +200,56 @@ def test_every_request_served_exactly_once_per_chunk(reqs) -> None:  # type: ign
         assert all(cnt <= 3 for _, _, cnt, _ in disk.log)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- the parallel profile: several runs in flight, arrival order, a share kept for demand ------
+
+async def test_parallel_profile_runs_depth_at_once_in_class_order(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    spec, dl, dem = bfile("spec", 1), bfile("dl", 2), bfile("dem", 3)
+    sched = TransactionScheduler(disk.read, chunk_size=CS, slice_size=CS, depth=4, elevator=False)
+    for idx in (9, 3, 7, 1, 5):  # arrival order, not disk order
+        sched.submit(spec, idx, Klass.SPECULATIVE)
+    sched.submit(dl, 0, Klass.DEADLINE, deadline=trio.current_time() + 100)
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.fetch, dem, 0, Klass.DEMAND)
+        await trio.testing.wait_all_tasks_blocked()
+        await n.start(sched.run)
+        await trio.sleep(5)
+        n.cancel_scope.cancel()
+    first = [(name, idx) for name, idx, _, t in disk.log if t == disk.log[0][3]]
+    # 4 in flight at once: demand, then deadline, then the oldest readahead; background work
+    # holds at most 3 of the 4 slots
+    assert first == [("dem", 0), ("dl", 0), ("spec", 9), ("spec", 3)]
+    assert [idx for name, idx, *_ in disk.log if name == "spec"] == [9, 3, 7, 1, 5]
+    assert sched.statistics().background_slots == 3 and not sched.statistics().elevator
+
+
+async def test_parallel_profile_demand_never_waits_behind_readahead(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f, g = bfile("f", 1, size=1000 * CS), bfile("g", 2)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS, depth=8, elevator=False)
+        for i in range(100):  # a deep readahead queue
+            sched.submit(f, i, Klass.SPECULATIVE)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.statistics().in_flight == 6  # 8 - 8 // 4: two slots stay free
+        t0 = trio.current_time()
+        await sched.fetch(g, 0)
+        assert trio.current_time() - t0 == pytest.approx(SEEK + CS / RATE)  # served at once
+        n.cancel_scope.cancel()
+
+
+async def test_hdd_profile_keeps_one_request_and_the_elevator(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f = bfile("f", 1, size=1000 * CS)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)  # the defaults are the hdd profile's
+        for idx in (900, 100, 600):
+            sched.submit(f, idx, Klass.SPECULATIVE)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.statistics().in_flight == 1
+        await trio.sleep(2)
+        n.cancel_scope.cancel()
+    assert [first for _, first, *_ in disk.log] == [100, 600, 900]
+    assert sched.statistics().elevator and sched.statistics().background_slots == 1

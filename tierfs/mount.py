@@ -45,6 +45,7 @@ from tierfs.fs.handlers import Handlers
 from tierfs.fs.inodes import InodeTable
 from tierfs.predict.hints import HintService
 from tierfs.predict.readahead import Readahead
+from tierfs.sched import profile as backing_profile
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.transport.pyfuse import Pyfuse3Operations
@@ -377,7 +378,12 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         else:
             ssd_catalog = SsdCatalog(_private_db(tier, "catalog.sqlite"))
         devices.append(io.Device(tp.name, 4))
-    backing_dev = io.Device("backing", cfg.depth)
+    profile = backing_profile.resolve(cfg.backing_profile, cfg.sources.get("backing_profile", "default"),
+                                      plan.backing, chunk_size=cfg.chunk_size, depth=cfg.depth,
+                                      slice_size=cfg.slice_size)
+    log.info("backing profile %s (%s): %s; depth %d, slices of %s", profile.name, profile.source,
+             profile.reason, profile.depth, format_size(profile.slice_size))
+    backing_dev = io.Device("backing", profile.depth)
     meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S)
 
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
@@ -387,8 +393,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         return await backing_dev.run(fn)
 
     scheduler = TransactionScheduler(read_backing, chunk_size=cfg.chunk_size,
-                                     slice_size=cfg.slice_size, depth=cfg.depth,
-                                     run_io=run_backing_io)
+                                     slice_size=profile.slice_size, depth=profile.depth,
+                                     run_io=run_backing_io, elevator=profile.elevator)
     total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
     policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks), plan=HintPlan())
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
@@ -410,7 +416,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
         scheduler=scheduler, journal=journal,
-        make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
+        make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=profile.slice_size,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
         # fsync waits for the backing store
         fsync_backing=cfg.fsync == "backing" or wt_name == "ram")
@@ -420,7 +426,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         return df.size if df is not None and df.state.value != "clean" else 0
 
     hints = HintService(cache=cache, scheduler=scheduler, tree=tree, meta=meta,
-                        chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
+                        chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * profile.slice_size,
                         dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size),
                         user_share=cfg.user_hint_share, mountpoint=os.fsencode(plan.mountpoint))
     ctl = ControlCommands(hints=hints, writeback=writeback, tree=tree, meta=meta,
@@ -434,6 +440,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
+        doc["scheduler"]["profile"] = {"name": profile.name, "source": profile.source,
+                                       "reason": profile.reason, "elevator": profile.elevator}
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None
