@@ -65,7 +65,7 @@ def copy_file(src_path: str, dst_path: str, method: str, threads: int) -> float:
         n = min(CHUNK, size - off)
         if method == "sendfile":
             return _sendfile(src, dst_path, n, off)
-        return io.copy_range(src, dst, n, off, off, methods=(method,), route=("bench", method))
+        return io.copy_range(src, dst, n, off, off, methods=(method,), route=("bench", src_path, method, threads))
 
     try:
         t0 = time.perf_counter()

@@ -113,7 +113,7 @@ async def run_cache(tmp_path: Path, *, ram: int, elevator: bool, size: int, read
             if readahead:
                 cache.prefetch(f, list(range(-(-size // CS))), Klass.SPECULATIVE)
             got = await read_all(cache, f)
-            while cache.background or sched.statistics().in_flight or any(sched.queue_lengths().values()):
+            while cache.background or sched.statistics().in_flight or any(sched.queue_lengths().values()):  # noqa: ASYNC110 - real threads
                 await trio.sleep(0.001)
             n.cancel_scope.cancel()
         assert got == data
