@@ -58,7 +58,8 @@ log = logging.getLogger("tierfs.mount")
 META_THREADS = 4  # concurrent stat/readdir/open calls on the backing store
 META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (see io.Device)
 DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
-DIRTY_THREAD_PERIOD_S = 2.0  # after which writes try inline again: throttling comes and goes
+DIRTY_THREAD_PERIOD_S = 2.0
+WILLNEED_OVER = 1 << 20  # backing reads longer than one 1 MiB device request are announced  # after which writes try inline again: throttling comes and goes
 
 
 @dataclass(frozen=True)
@@ -309,7 +310,8 @@ def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     # Queue the whole run at the device at once: one pread alone reaches an HDD as a chain of
     # 1 MiB requests with one outstanding, and the disk idles between them (73% busy measured
     # on the emulated HDD with 8 readers). The requests are contiguous, so nothing interleaves.
-    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
+    if length > WILLNEED_OVER:  # (a read of one request's size needs no announcing: a syscall saved)
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
     data = io.pread_exact(f.fd, length, offset)
     # The bytes now live in a tier (and the mount's page cache): a third copy in the backing
     # store's page cache would only push useful pages out.
@@ -440,6 +442,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
+        doc["scheduler"]["backing_opens"] = tree.opens  # open(2) calls on the backing tree
+        doc["scheduler"]["shared_opens"] = ops.ns.shared_opens  # opens that reused an open file
         doc["scheduler"]["profile"] = {"name": profile.name, "source": profile.source,
                                        "reason": profile.reason, "elevator": profile.elevator}
         doc["hints"] = hints.statistics()
@@ -469,6 +473,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                    readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                    control=control, meta=meta, attr_timeout=cfg.attr_timeout,
                    on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
+    # one open(2) per backing file however many readers and prefetches use it
+    ops.ns.find_open = hints.open_file
+    hints.find_open = lambda key: (f if (f := ops.ns.open_files.get(key)) is not None and f.fd >= 0 else None)
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}

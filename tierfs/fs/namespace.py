@@ -25,6 +25,8 @@ import errno
 import logging
 import os
 import stat
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -42,6 +44,10 @@ from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.fs")
 CONTROL_NAME = wire.CONTROL_DIR.encode()
+# The last lookup of a regular file stands for the open that follows it for this long (the
+# kernel sends them back to back), and at most this many are remembered.
+LOOKED_UP_S = 0.2
+LOOKED_UP_MAX = 1024
 
 
 def lstat_or_none(tree: BackingTree, rel: bytes) -> os.stat_result | None:
@@ -110,6 +116,12 @@ class Namespace:
         self.attr_timeout = attr_timeout
         self.nursery: trio.Nursery | None = None
         self.open_files: dict[str, BackingFile] = {}
+        # Backing files the daemon holds open for other reasons (hinted or predicted prefetch),
+        # by identity key; an open of that very file shares it (see backing_file).
+        self.find_open: Callable[[str], BackingFile | None] | None = None
+        # path -> (trio time, lstat) of the last lookup, for the open that follows it
+        self._looked_up: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
+        self.shared_opens = 0  # opens served by a backing file already open (no open(2))
         self._dirty_locks: dict[int, trio.Lock] = {}
         writeback.on_clean = self.on_clean
         inodes.on_forget = self.on_forget
@@ -194,6 +206,11 @@ class Namespace:
             return await self.dirty_attrs(entry, df)
         st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
+        if stat.S_ISREG(st.st_mode):
+            self._looked_up[path] = (trio.current_time(), st)
+            self._looked_up.move_to_end(path)
+            if len(self._looked_up) > LOOKED_UP_MAX:
+                self._looked_up.popitem(last=False)
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
         if entry.dirty is not None:  # another hard link of a file being written
@@ -505,6 +522,15 @@ class Namespace:
     async def backing_file(self, rel: bytes) -> BackingFile:
         """The open backing file at ``rel`` (shared by every open of one identity), with one
         more open counted; give it back with :meth:`release_backing`."""
+        shared = self._shared_open(rel)
+        if shared is not None:
+            held = self.open_files.get(shared.key)
+            if held is None or held.fd < 0:
+                self.open_files[shared.key] = shared
+            shared.acquire()
+            shared.opens += 1
+            self.shared_opens += 1
+            return shared
         fd, st = await self.meta.run(open_backing, self.tree, rel)
         identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
@@ -515,6 +541,26 @@ class Namespace:
             os.close(fd)
         bf.acquire()
         bf.opens += 1
+        return bf
+
+    def _shared_open(self, rel: bytes) -> BackingFile | None:
+        """An open backing file this open can share instead of opening ``rel`` again: the
+        file the lookup just before this open found (the kernel sends LOOKUP right before
+        OPEN: regular files have entry_timeout 0), if the daemon holds exactly that version
+        open already (same identity: inode, size, mtime, ctime) for another open or for a
+        prefetch. A change made behind tierfs' back before the lookup is seen as before; the
+        lookup's result is used once and only within ``LOOKED_UP_S``. Saves the second
+        open(2) of a small file a predicted or hinted prefetch opened (measured: 2 opens per
+        file read in name order before, 1 after; tests/test_miss_path.py)."""
+        seen = self._looked_up.pop(rel, None)
+        if seen is None or trio.current_time() - seen[0] > LOOKED_UP_S:
+            return None
+        key = Identity.of(key_path(self.tree.root, rel), seen[1]).key
+        bf = self.open_files.get(key)
+        if (bf is None or bf.fd < 0) and self.find_open is not None:
+            bf = self.find_open(key)
+        if bf is None or bf.fd < 0 or bf.stale:
+            return None
         return bf
 
     def release_backing(self, f: BackingFile) -> None:

@@ -33,6 +33,7 @@ import math
 import os
 import stat
 from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -72,6 +73,11 @@ INDEX_BATCH = 2048  # chunk occurrences indexed into the plan between two chance
 DEFAULT_USER_SHARE = 0.5  # see the user_hint_share option (tierfs.config)
 MAX_CHECKPOINT_DIRS = 64  # checkpoint declarations per user
 MAX_BAD_KEYS = 100_000  # remembered unreadable files (cleared beyond)
+# Prefetched files held open for their reader's open (see _close_idle_files): a DataLoader
+# worker opens the file it was predicted to read within its batch time, well under 10 s; 64
+# descriptors cover the predictions of 16 workers several files deep.
+HANDOFF_S = 10.0
+HANDOFF_MAX = 64
 
 
 class HintService:
@@ -113,6 +119,10 @@ class HintService:
         self.dirty_bytes = dirty_bytes or (lambda rel: 0)
         self._queued: dict[ChunkId, FetchRequest] = {}
         self._files: dict[str, BackingFile] = {}
+        # prefetched files kept open for the reader they were fetched for: key -> (time, file)
+        self._handoff: OrderedDict[str, tuple[float, BackingFile]] = OrderedDict()
+        # the backing files readers hold open, by identity key (set by the mount)
+        self.find_open: Callable[[str], BackingFile | None] | None = None
         self._bad_keys: set[str] = set()
         self._kick = trio.Event()
         self._progress = trio.Event()
@@ -626,10 +636,30 @@ class HintService:
             self._bad_keys.clear()
         self._bad_keys.add(key)
 
+    def open_file(self, key: str) -> BackingFile | None:
+        """The backing file of identity ``key`` if a prefetch holds it open now (an open of
+        the same file shares it instead of opening it again)."""
+        f = self._files.get(key)
+        if f is None:
+            f = self._handoff[key][1] if key in self._handoff else None
+        return f if f is not None and f.fd >= 0 else None
+
     async def _file(self, pf: PlannedFile) -> BackingFile | None:
         f = self._files.get(pf.key)
         if f is not None and f.fd >= 0:
             return f
+        if pf.key in self._handoff:
+            f = self._handoff.pop(pf.key)[1]
+            if f.fd >= 0:
+                self._files[pf.key] = f
+                return f
+            f.release()
+        if self.find_open is not None:  # a reader has it open: share its descriptor
+            f = self.find_open(pf.key)
+            if f is not None and f.fd >= 0 and not f.stale:
+                f.acquire()
+                self._files[pf.key] = f
+                return f
         try:
             fd, st = await self.meta.run(_open_regular, self.tree, pf.path)
         except OSError as e:
@@ -649,14 +679,31 @@ class HintService:
         return f
 
     def _close_idle_files(self) -> None:
+        """Files no queued chunk needs any more are not closed at once: the reader the prefetch
+        was for opens them soon, and shares the descriptor (one open(2) per file, not two).
+        They wait in a handoff list of at most ``HANDOFF_MAX`` files for ``HANDOFF_S``; one a
+        reader has opened leaves it (the reader's reference keeps it open)."""
         busy = {cid[0] for cid in self._queued}
+        now = trio.current_time()
         for key in [k for k in self._files if k not in busy]:
-            self._files.pop(key).release()
+            f = self._files.pop(key)
+            old = self._handoff.pop(key, None)
+            if old is not None:
+                old[1].release()
+            self._handoff[key] = (now, f)
+        for key in list(self._handoff):
+            t, f = self._handoff[key]
+            if f.opens > 0 or f.fd < 0 or now - t > HANDOFF_S or len(self._handoff) > HANDOFF_MAX:
+                del self._handoff[key]
+                f.release()
 
     def close(self) -> None:
         for f in self._files.values():
             f.release()
         self._files.clear()
+        for _, f in self._handoff.values():
+            f.release()
+        self._handoff.clear()
         if self._own_tree:
             self.tree.close()
 
