@@ -56,6 +56,11 @@ def _copy_checked(f: BackingFile, tier: Tier, offset: int, length: int) -> bool:
     """Copy ``[offset, offset+length)`` of backing file ``f`` into its tier file in ``tier``
     (in the backing device's thread), then check that ``f`` did not change meanwhile. True if
     every byte is there and current. Raises TierIOError."""
+    if length > 1 << 20:
+        # The kernel copy reads the source through its page cache, one readahead window
+        # (128 KiB by default) after the other; announced, the whole range is queued at the
+        # device at once, as many requests in flight as the store takes.
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
     n = tier.copy_in(f.key, offset, f.fd, length)
     # the bytes live in the tier now: the backing store's page cache need not keep a copy
     os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
@@ -148,7 +153,7 @@ class Cache:
         # A parallel backing store's misses go straight into a tier file in the kernel (see
         # _transfer). An HDD's keep today's path: one pread of the whole run queued at the
         # disk at once (a kernel copy reads through the source's readahead window instead).
-        if not scheduler.elevator and scheduler._run_io is not None:
+        if not scheduler.elevator and scheduler.can_run_io:
             scheduler.transfer = self._transfer
         self.direct_fetches = 0  # chunks copied backing -> tier in the kernel
         self.chunk_size = chunk_size

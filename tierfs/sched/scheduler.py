@@ -256,6 +256,11 @@ class TransactionScheduler:
         self._wakeup.set()
         return req
 
+    @property
+    def can_run_io(self) -> bool:
+        """Whether :meth:`run_io` (and :meth:`io`) have a backing device thread to run in."""
+        return self._run_io is not None
+
     async def run_io(self, fn: Callable[[], T]) -> T:
         """Run blocking ``fn`` in the backing device's thread, now (for the caller's own
         transfer: a :data:`Transfer` runs inside a slot the scheduler gave it)."""
