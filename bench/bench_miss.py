@@ -187,12 +187,18 @@ class ParallelStore:
             if self.sock.exists():
                 break
             time.sleep(0.05)
-        sh("nbdfuse", "-C", "4", str(self.fuse / "disk"), "--unix", str(self.sock))
+        pidfile = self.work / "nbdfuse.pid"
+        nbdfuse = subprocess.Popen(["nbdfuse", "-C", "4", "-P", str(pidfile), str(self.fuse / "disk"),
+                                    "--unix", str(self.sock)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+        stack.callback(nbdfuse.wait, 10)
         stack.callback(lambda: subprocess.run(["fusermount3", "-u", "-z", str(self.fuse)], capture_output=True))
-        for _ in range(200):
-            if (self.fuse / "disk").exists():
+        for _ in range(200):  # nbdfuse stays in the foreground; its pid file says it is mounted
+            if pidfile.exists() and pidfile.stat().st_size and os.path.ismount(self.fuse):
                 break
             time.sleep(0.05)
+        else:
+            raise RuntimeError("nbdfuse did not mount")
         self.loop = sh("losetup", "--find", "--show", "--direct-io=on", str(self.fuse / "disk")).stdout.strip()
         stack.callback(lambda: subprocess.run(["losetup", "-d", str(self.loop)], capture_output=True))
         name = os.path.basename(self.loop)
