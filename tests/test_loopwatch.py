@@ -79,3 +79,30 @@ def test_names_where_the_step_began_and_ended_and_folds_request_numbers(monkeypa
     assert st.over == 3 and st.worst_ms == pytest.approx(20.0)
     [where] = st.offenders
     assert where.startswith("pyfuse @ test_loopwatch.py:") and where.endswith("-> end")
+
+
+def test_run_queue_wait_is_not_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose thread sat runnable but unscheduled (a loaded machine) did not block the
+    loop itself: only the rest of its wall time counts against the bound."""
+    clock = StepClock()
+    monkeypatch.setattr(loopwatch.time, "perf_counter", clock)
+    waited = [0]  # run_delay in ns, as /proc/thread-self/schedstat would report it
+    watch = LoopWatch(0.050)
+    monkeypatch.setattr(watch, "_run_delay_ns", lambda: waited[0])
+
+    async def stepper() -> None:
+        for wall, starved in ((0.080, 0.070), (0.090, 0.010), (2.0, 1.99)):
+            clock.now += wall
+            waited[0] += int(starved * 1e9)
+            await trio.lowlevel.checkpoint()
+
+    trio.run(stepper, instruments=[watch])
+    st = watch.statistics()
+    assert st.over == 1 and st.worst_ms == pytest.approx(80.0)
+    assert st.runqueue_ms == pytest.approx(70.0 + 10.0 + 1990.0)
+
+
+def test_reads_this_threads_run_delay() -> None:
+    watch = LoopWatch(0.050)
+    first = watch._run_delay_ns()
+    assert first >= 0 and watch._run_delay_ns() >= first

@@ -253,3 +253,36 @@ async def test_hdd_profile_keeps_one_request_and_the_elevator(autojump_clock) ->
         n.cancel_scope.cancel()
     assert [first for _, first, *_ in disk.log] == [100, 600, 900]
     assert sched.statistics().elevator and sched.statistics().background_slots == 1
+
+
+async def test_cancelled_io_caller_never_outlives_nor_precedes_its_call(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """A caller cancelled while its backing-store call runs gets Cancelled only once the call
+    has returned (it then closes what the call used); one cancelled while its call is still
+    queued drops it: the call never runs after its caller has gone."""
+    events: list[str] = []
+
+    async def run_io(fn):  # type: ignore[no-untyped-def]
+        await trio.sleep(1.0)  # the device thread
+        return fn()
+
+    async def caller(name: str, scope_box: list[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            scope_box.append(scope)
+            await sched.io(lambda: events.append(f"{name} ran"), Klass.DEADLINE, nbytes=0)
+        events.append(f"{name} unwound")
+
+    disk = FakeDisk()
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, run_io=run_io)
+        running: list[trio.CancelScope] = []
+        queued: list[trio.CancelScope] = []
+        n.start_soon(caller, "running", running)
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(caller, "queued", queued)
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(0.5)  # the first call is half done, the second waits its turn
+        running[0].cancel()
+        queued[0].cancel()
+        await trio.sleep(5)
+        n.cancel_scope.cancel()
+    assert events == ["queued unwound", "running ran", "running unwound"]

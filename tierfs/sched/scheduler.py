@@ -229,7 +229,17 @@ class TransactionScheduler:
                       key=("io", self._task_ids))
         self._queues[klass][task.key] = task
         self._wakeup.set()
-        await task.done.wait()
+        try:
+            await task.done.wait()
+        except trio.Cancelled:
+            # The caller owns what ``fn`` touches (a descriptor it closes when it unwinds).
+            # A queued call is dropped, so it never runs after the caller has gone; a running
+            # one (a bounded slice) is waited for, so the caller never closes a descriptor the
+            # device thread still uses (its number may be another file's by then).
+            if self._queues[task.klass].pop(task.key, None) is None and not task.done.is_set():
+                with trio.CancelScope(shield=True):
+                    await task.done.wait()
+            raise
         if written:
             self._bytes_written += nbytes
         if task.error is not None:
