@@ -286,3 +286,29 @@ async def test_cancelled_io_caller_never_outlives_nor_precedes_its_call(autojump
         await trio.sleep(5)
         n.cancel_scope.cancel()
     assert events == ["queued unwound", "running ran", "running unwound"]
+
+
+@pytest.mark.parametrize(("name", "wakes_after_chunks"), [("parallel", 1), ("hdd", 8)])
+async def test_a_waiting_reader_wakes_when_its_chunk_is_there(autojump_clock, name: str,  # type: ignore[no-untyped-def]
+                                                             wakes_after_chunks: int) -> None:
+    """A large miss with readahead queued behind it: on the parallel profile the chunks are
+    separate transfers running at once, and the reader of chunk 0 wakes after one chunk's
+    time; the hdd profile reads them as one run (a reader waits for the run: one seek)."""
+    from tierfs.sched import profile
+
+    # the profile's own values (hdd: slices of 8 chunks here, 32 MiB at 4 MiB chunks)
+    p = profile.resolve(name, "test", "/x", chunk_size=CS, depth=None,
+                        slice_size=8 * CS if name == "hdd" else None)
+    disk = FakeDisk()
+    f = bfile("f", 1)
+    sched = TransactionScheduler(disk.read, chunk_size=CS, slice_size=p.slice_size, depth=p.depth,
+                                 elevator=p.elevator)
+    for i in range(1, 8):
+        sched.submit(f, i, Klass.SPECULATIVE)
+    async with trio.open_nursery() as n:
+        await n.start(sched.run)
+        t0 = trio.current_time()
+        await sched.fetch(f, 0)
+        waited = trio.current_time() - t0
+        n.cancel_scope.cancel()
+    assert waited == pytest.approx(SEEK + wakes_after_chunks * CS / RATE)
