@@ -305,10 +305,17 @@ async def test_a_waiting_reader_wakes_when_its_chunk_is_there(autojump_clock, na
                                  elevator=p.elevator)
     for i in range(1, 8):
         sched.submit(f, i, Klass.SPECULATIVE)
-    async with trio.open_nursery() as n:
-        await n.start(sched.run)
-        t0 = trio.current_time()
+    woke: list[float] = []
+
+    async def reader() -> None:
         await sched.fetch(f, 0)
-        waited = trio.current_time() - t0
+        woke.append(trio.current_time())
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reader)  # queued before the dispatcher starts: both profiles see all 8
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        await n.start(sched.run)
+        await trio.sleep(1)
         n.cancel_scope.cancel()
-    assert waited == pytest.approx(SEEK + wakes_after_chunks * CS / RATE)
+    assert woke[0] - t0 == pytest.approx(SEEK + wakes_after_chunks * CS / RATE)
