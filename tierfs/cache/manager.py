@@ -61,7 +61,7 @@ def _copy_checked(f: BackingFile, tier: Tier, offset: int, length: int) -> bool:
         # (128 KiB by default) after the other; announced, the whole range is queued at the
         # device at once, as many requests in flight as the store takes.
         os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
-    n = tier.copy_in(f.key, offset, f.fd, length)
+    n = tier.copy_in(f.key, offset, f.fd, length, f.identity.dev)
     # the bytes live in the tier now: the backing store's page cache need not keep a copy
     os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
     st = os.fstat(f.fd)
