@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+EXTRA: list[str] = []  # more `tierfs mount` arguments for the tierfs column (--tierfs-arg)
 MiB = 1 << 20
 READ = MiB
 
@@ -153,7 +154,7 @@ def bench_tmpfs(mib: int, res: dict[str, Any]) -> None:
         r["direct"] = timed_read(f, 1)
         with bindfs(back) as b:
             r["bindfs"] = timed_read(b / "big.bin", 1)
-        with tierfs(back, mib + 256) as t:
+        with tierfs(back, mib + 256, *EXTRA) as t:
             r["tierfs"] = timed_read(t / "big.bin", 1)
             r["tierfs_stats"] = tierfs_stats(t)
             drop(t / "big.bin")
@@ -236,7 +237,7 @@ def bench_parallel(mib: int, readers: int, delay_ms: float, res: dict[str, Any])
             with bindfs(back) as b:
                 r["bindfs"] = timed_read(b / "big.bin", readers)
             store.dropcache()
-            with tierfs(back, mib + 256) as t:
+            with tierfs(back, mib + 256, *EXTRA) as t:
                 r["tierfs"] = timed_read(t / "big.bin", readers)
                 r["tierfs_stats"] = tierfs_stats(t)
             store.dropcache()
@@ -256,7 +257,10 @@ def main() -> int:
     ap.add_argument("--only", choices=("tmpfs", "parallel"))
     ap.add_argument("--quick", action="store_true", help="512 MiB")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tierfs-arg", action="append", default=[],
+                    help="extra tierfs mount argument for the tierfs column (repeat: --tierfs-arg=--depth --tierfs-arg=32)")
     args = ap.parse_args()
+    EXTRA[:] = args.tierfs_arg
     if args.quick:
         args.size_mib = 512
     res: dict[str, Any] = {"load_average_at_start": os.getloadavg()[0]}
