@@ -8,7 +8,7 @@ Measures
       - plain padding: random batches of a fixed number of samples, padded to their longest;
       - bucketed batches: TokenBudgetBatchSampler (padded budget ``B * max_len <= max_tokens``);
       - token-budget packing: TokenBudgetBatchSampler(packed=True) + pack_collate(pad_to=max_tokens);
-      - offline packing: pack_sequences(method="spfhp" / "ffd") into bins of ``capacity`` tokens;
+      - offline packing: pack_sequences(method="auto" / "spfhp" / "ffd") into bins of ``capacity`` tokens;
   * collate throughput on the same random fixed-size batches (int64 tokens) of
       - ``torch.nn.utils.rnn.pad_sequence`` + lengths + bool mask (the baseline),
       - pad_collate, pack_collate, and the same for dict samples {input_ids, labels}.
@@ -92,7 +92,7 @@ def padding_rows(lengths: list[int], args: argparse.Namespace) -> list[dict]:
             "seconds": dt,
         }
     )
-    for method in ("spfhp", "ffd"):
+    for method in ("auto", "spfhp", "ffd"):
         t = time.perf_counter()
         _, stats = pack_sequences(lengths, args.capacity, method=method)
         dt = time.perf_counter() - t

@@ -16,27 +16,40 @@ from tierfs.io import Device
 
 
 class FakeClock:
+    """Wall time, the loop thread's CPU time and its voluntary context switches (sleeps)."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.cpu = 5.0
+        self.switches = 0
 
     def monotonic(self) -> float:
         return self.now
+
+    def thread_time(self) -> float:
+        return self.cpu
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock()
-    monkeypatch.setattr(io, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    monkeypatch.setattr(io, "time", types.SimpleNamespace(monotonic=c.monotonic, thread_time=c.thread_time))
+    monkeypatch.setattr(io, "_voluntary_switches", lambda: c.switches)
     return c
 
 
-def on_loop_thread(clock: FakeClock, took_s: float = 0.0) -> Callable[[], bool]:
-    """A blocking call that takes ``took_s`` seconds of the fake clock; True if it ran on the
-    event loop's thread."""
+def on_loop_thread(clock: FakeClock, took_s: float = 0.0, *, cpu_s: float | None = None) -> Callable[[], bool]:
+    """A blocking call that takes ``took_s`` seconds of the fake clock, sleeping (waiting for
+    I/O) unless ``cpu_s`` is given: then it never sleeps and uses ``cpu_s`` of CPU (the rest
+    of ``took_s`` it was preempted). True if it ran on the event loop's thread."""
     main = threading.get_ident()
 
     def call() -> bool:
         clock.now += took_s
+        if cpu_s is None:
+            clock.switches += 1
+        else:
+            clock.cpu += cpu_s
         return threading.get_ident() == main
     return call
 
@@ -73,3 +86,31 @@ async def test_without_inline_limit_every_call_is_threaded(clock: FakeClock) -> 
     dev = Device("t", 1)
     assert not await dev.run(on_loop_thread(clock))
     assert dev.inline_calls == 0 and dev.thread_calls == 1
+
+
+async def test_preemption_is_not_charged_to_the_call(clock: FakeClock) -> None:
+    """On a loaded machine a call that never slept can take long only because other processes
+    held the CPU: it stays inline (a thread would wait for a CPU too, plus a hand-off)."""
+    dev = Device("t", 2, inline_under=0.001, thread_period=30)
+    for _ in range(20):
+        assert await dev.run(on_loop_thread(clock, 0.050, cpu_s=0.0001))
+    assert dev.thread_calls == 0 and dev.slow_inline_calls == 0
+    # but a call that holds the CPU itself that long blocks the loop: threads
+    assert await dev.run(on_loop_thread(clock, 0.050, cpu_s=0.030))
+    assert not await dev.run(on_loop_thread(clock))
+
+
+async def test_time_of_other_tasks_at_the_checkpoint_is_not_charged(clock: FakeClock) -> None:
+    """The call yields to other tasks before it runs; their time is theirs."""
+    import trio
+
+    dev = Device("t", 2, inline_under=0.001, thread_period=30)
+
+    async def other_task() -> None:
+        clock.now += 0.050  # another request's step, run during dev.run's checkpoint
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(other_task)
+            assert await dev.run(on_loop_thread(clock, 0.0001))
+    assert dev.thread_calls == 0 and dev.slow_inline_calls == 0

@@ -140,8 +140,9 @@ def test_recovery_after_a_crash_is_logged_once(tiermount, tmp_path: Path) -> Non
     fd = os.open(m.mnt / "ckpt", os.O_WRONLY | os.O_CREAT, 0o644)
     os.write(fd, b"c" * 5000)  # open for writing at the crash: journaled, not written back
     m.kill9()
-    with pytest.raises(OSError):
-        os.close(fd)
+    with pytest.raises(OSError):  # close(2) does not reach the daemon (no FLUSH); fsync does
+        os.fsync(fd)
+    os.close(fd)
     m.start()
     lines = log_lines(log)
     assert count(lines, r"tierfs[.a-z]* [A-Z]+: recovery") == 1, "\n".join(lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import random
@@ -238,3 +239,51 @@ def test_umount_lazy_detaches_while_a_file_is_open(tiermount, tmp_path: Path) ->
         assert not is_mounted(m.mnt)
         assert len(f.read()) == 1000  # the open file still works
     m.pid = 0
+
+
+def _requests(m) -> dict:
+    return json.loads((m.mnt / ".tierfs" / "stats.json").read_bytes())["fuse"]
+
+
+def test_kernel_caches_names_and_answers_close_itself(tiermount, tmp_path: Path) -> None:
+    """Names and attributes of files are cached by the kernel (lstat after readdir, open of a
+    name just looked up: no LOOKUP each), and close(2) sends no FLUSH after the first."""
+    back = tmp_path / "back" / "d"
+    back.mkdir()
+    for i in range(40):
+        (back / f"f{i}").write_bytes(b"x" * i)
+    # attr_timeout=60: the cache window certainly outlasts the test on a loaded machine
+    m = tiermount(ram="16MiB", extra=("-o", "attr_timeout=60"))
+    d = m.mnt / "d"
+    names = os.listdir(d)  # READDIRPLUS: each entry with its attributes
+    before = _requests(m)["requests"]
+    for n in names:
+        os.lstat(d / n)
+        assert (d / n).read_bytes() == b"x" * int(n[1:])
+    after = _requests(m)["requests"]
+    assert after.get("lookup", 0) - before.get("lookup", 0) == 0
+    assert after.get("open", 0) - before.get("open", 0) >= 40  # and the stats.json read
+    assert after.get("flush", 0) <= 1
+
+
+def test_backing_change_seen_at_next_open_while_names_are_cached(tiermount, tmp_path: Path) -> None:
+    """With names and attributes cached (attr_timeout=60), a file grown in place or replaced
+    behind tierfs' back is read whole, with its new size, at the next open."""
+    p = tmp_path / "back" / "f.bin"
+    write_random(p, 1 * MiB, seed=1)
+    m = tiermount(ram="64MiB", extra=("-o", "attr_timeout=60"))
+    f = m.mnt / "f.bin"
+    assert f.read_bytes() == p.read_bytes()
+    assert os.stat(f).st_size == 1 * MiB
+    with open(p, "ab") as out:  # grown in place: the kernel's cached size is too small now
+        out.write(b"tail" * 1000)
+    assert f.read_bytes() == p.read_bytes()
+    assert os.stat(f).st_size == 1 * MiB + 4000
+    tmp = tmp_path / "back" / "f.tmp"
+    newer = write_random(tmp, 3 * MiB + 7, seed=3)
+    os.replace(tmp, p)
+    assert f.read_bytes() == newer
+    assert os.stat(f).st_size == len(newer)
+    shorter = write_random(p, 1000, seed=4)  # shrunk in place
+    assert f.read_bytes() == shorter
+    assert _requests(m)["stale_opens"] >= 3

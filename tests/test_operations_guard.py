@@ -62,7 +62,7 @@ def test_forget_swallows_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_releasedir_swallows(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     ops = _ops()
-    fh = ops.handles.add(DirHandle(inode=1, entries=[]))
+    fh = ops.handles.add(DirHandle(inode=1))
 
     def pop(fh: int) -> None:
         raise Boom("handle table broken")

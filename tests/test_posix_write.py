@@ -586,7 +586,9 @@ def sc_mkdir_after_rmdir_of_open_dir(root: Path, rec: Rec) -> None:
             os.mkdir(root / f"new{i}")  # the backing store may give it the freed inode number
             rec.append(call(os.mkdir, root / f"new{i}" / "sub"))
             rec.append(call((root / f"new{i}" / "f").write_bytes, b"x"))
-            rec.append(call(os.listdir, root / f"new{i}"))
+            # sorted: listing order is the filesystem's own (tierfs streams the backing
+            # directory's order, then files not written back yet)
+            rec.append(call(lambda p: sorted(os.listdir(p)), root / f"new{i}"))
         finally:
             os.close(fd)
 

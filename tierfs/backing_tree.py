@@ -30,8 +30,9 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -222,6 +223,16 @@ class BackingTree:
         finally:
             os.close(fd)
         return out
+
+    def scan(self, rel: bytes) -> DirScan:
+        """Directory ``rel`` (opened beneath the root, no symlink followed), to be read a
+        batch at a time (:func:`read_batch`); close it when done."""
+        fd = self.open(rel, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return DirScan(fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def listdir(self, rel: bytes) -> list[bytes]:
         fd = self.open(rel, os.O_RDONLY | os.O_DIRECTORY)
@@ -423,3 +434,37 @@ class BackingTree:
     def dir_times(self, rel: bytes) -> tuple[int, int]:
         st = self.lstat(rel)
         return st.st_atime_ns, st.st_mtime_ns
+
+
+class DirScan:
+    """An open directory and an ``os.scandir`` iterator over it (:meth:`BackingTree.scan`).
+    The descriptor stays open with the iterator: its entries' ``stat()`` is an ``fstatat``
+    relative to it (the iterator reads through a duplicate of it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.it: Iterator[os.DirEntry[Any]] = os.scandir(fd)  # type: ignore[assignment]
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.it.close()  # type: ignore[attr-defined]
+            os.close(self.fd)
+            self.fd = -1
+
+
+def read_batch(scan: DirScan, n: int, skip: Callable[[bytes], bool] | None = None
+               ) -> list[tuple[bytes, os.stat_result]]:
+    """Up to ``n`` more ``(name, lstat)`` entries of a :meth:`BackingTree.scan` (fewer only
+    at its end); entries that vanish meanwhile, or that ``skip(name)`` names, are left out."""
+    out: list[tuple[bytes, os.stat_result]] = []
+    for de in scan.it:
+        name = de.name if isinstance(de.name, bytes) else os.fsencode(de.name)
+        if skip is not None and skip(name):
+            continue
+        try:
+            out.append((name, de.stat(follow_symlinks=False)))
+        except FileNotFoundError:
+            continue
+        if len(out) >= n:
+            break
+    return out

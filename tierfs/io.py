@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import resource
 import stat
 import time
 from collections.abc import Callable
@@ -31,6 +32,11 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_uint]
 # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on the device when it returns
 SYNC_RANGE_ALL = 1 | 2 | 4
+
+
+def _voluntary_switches() -> int:
+    """This thread's voluntary context switches so far (it slept: I/O, a lock)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
 class Device:
@@ -69,13 +75,23 @@ class Device:
         """Run blocking ``fn(*args)``: in a worker thread under this device's limiter, or
         inline while measured cheap (see the class docstring)."""
         if self.inline_under is not None:
-            now = time.monotonic()
-            if now >= self._threads_until:
+            if time.monotonic() >= self._threads_until:
                 await trio.lowlevel.checkpoint()
+                # timed from here, not from before the checkpoint: other tasks run there, and
+                # their time was charged to this call (every call under load looked slow)
+                now = time.monotonic()
+                cpu = time.thread_time()
+                switches = _voluntary_switches()
                 try:
                     return fn(*args)
                 finally:
                     took = time.monotonic() - now
+                    if took > self.inline_under and _voluntary_switches() == switches:
+                        # it never slept (no I/O wait): the wall time beyond its CPU time was
+                        # preemption by other processes (a loaded machine: DataLoader workers
+                        # on every core), which a thread would suffer too and then add a
+                        # hand-off; charge the CPU time it held the loop for
+                        took = time.thread_time() - cpu
                     self.inline_calls += 1
                     self._mean_s += self.EWMA_WEIGHT * (took - self._mean_s)
                     if took > self.inline_under:

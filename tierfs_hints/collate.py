@@ -903,7 +903,8 @@ class PackingStats:
     """Summary of an offline packing (all counts in tokens or sequences, fractions in [0, 1]).
 
     Attributes:
-        method: ``"spfhp"`` or ``"ffd"``.
+        method: the packer whose bins were returned: ``"spfhp"`` or ``"ffd"`` (``"auto"``
+            names the one it kept).
         capacity: tokens per bin.
         num_sequences: sequences packed.
         num_bins: bins used.
@@ -932,7 +933,7 @@ def pack_sequences(
     lengths: Sequence[int] | Any,
     capacity: int,
     *,
-    method: str = "spfhp",
+    method: str = "auto",
     max_per_bin: int | None = None,
 ) -> tuple[list[list[int]], PackingStats]:
     """Pack sequences offline into bins of ``capacity`` tokens (for fixed-shape packed batches).
@@ -941,6 +942,13 @@ def pack_sequences(
         lengths: ``N >= 1`` sequence lengths in tokens, each ``1 <= L <= capacity``.
         capacity: tokens per bin (e.g. the model's context length).
         method:
+            * ``"auto"`` (default): runs both packers below and keeps the one with fewer bins
+              (``"spfhp"`` on a tie). Neither wins everywhere: SPFHP leaves each copy of its
+              shortest length that fits no open pack alone in a new pack, which costs 5-90 %
+              padding on Zipf or Pareto length distributions (many equal short lengths), where
+              FFD leaves about 1 %; on log-normal ones the two are within 0.5 points and
+              either may win (FFD is a heuristic too). Time is the sum of both (about 0.4 s
+              for 100k lengths).
             * ``"spfhp"``: shortest-pack-first histogram packing (Krell, Kosec, Perez, Fitzgibbon,
               "Efficient Sequence Packing without Cross-contamination", arXiv:2107.02027, 2021).
               It works on the histogram of lengths, not on the sequences: lengths are taken from
@@ -967,8 +975,8 @@ def pack_sequences(
     capacity = _check_int("capacity", capacity, 1, who)
     if max_per_bin is not None:
         max_per_bin = _check_int("max_per_bin", max_per_bin, 1, who)
-    if method not in ("spfhp", "ffd"):
-        raise ValueError(f"{who}: method must be 'spfhp' or 'ffd', got {method!r}")
+    if method not in ("auto", "spfhp", "ffd"):
+        raise ValueError(f"{who}: method must be 'auto', 'spfhp' or 'ffd', got {method!r}")
     lens = _as_int_list(lengths, who)
     if not lens:
         raise ValueError(f"{who}: no sequences to pack")
@@ -979,8 +987,14 @@ def pack_sequences(
             raise ValueError(f"{who}: sequence {i} has length {n}; lengths must be >= 1")
     if method == "spfhp":
         bins = _spfhp(lens, capacity, max_per_bin)
-    else:
+    elif method == "ffd":
         bins = _ffd(lens, capacity, max_per_bin)
+    else:
+        bins = _spfhp(lens, capacity, max_per_bin)
+        method = "spfhp"
+        other = _ffd(lens, capacity, max_per_bin)
+        if len(other) < len(bins):
+            bins, method = other, "ffd"
     total = sum(lens)
     nb = len(bins)
     fill = total / (nb * capacity)

@@ -398,10 +398,6 @@ for i in range(n):
 """
 
 
-@pytest.mark.xfail(strict=True, reason="readdir builds and sorts the whole merged listing (an lstat "
-                   "result per name) on the event loop when read from the start, and keeps it per "
-                   "handle; fix: list in slices off the loop (paced like control requests) and bound "
-                   "the listing memory held per user, or stream the backing directory's own order")
 def test_redteam_huge_directory_listing_stalls_everyone(monkeypatch: pytest.MonkeyPatch, attacker: User,
                                                         secmount, shared_dir: Path) -> None:
     """Listing a directory (``ls``, ``os.scandir``) made the daemon sort the whole merged listing

@@ -16,9 +16,11 @@ set on data files (it breaks shared mmap: numpy, lmdb, safetensors; design brief
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -40,6 +42,7 @@ from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
 
 
 @contextmanager
@@ -62,6 +65,29 @@ def fuse_errors(what: str) -> Iterator[None]:
         # A bug must cost one request, never the daemon (and every user of the mount).
         log.exception("%s: unexpected error; answering EIO", what)
         raise FuseError(errno.EIO) from None
+
+
+class _Op:
+    """``with handlers._op(what)``: one request, timed into ``Handlers.request_seconds``, its
+    errors mapped as :func:`fuse_errors` maps them (a class, not a generator: this runs for
+    every request)."""
+
+    __slots__ = ("seconds", "t0", "what")
+
+    def __init__(self, what: str, seconds: collections.defaultdict[str, float]) -> None:
+        self.what = what
+        self.seconds = seconds
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
+        self.seconds[self.what] += time.perf_counter() - self.t0
+        if e is None or isinstance(e, (FuseError, trio.Cancelled)) or not isinstance(e, Exception):
+            return
+        with fuse_errors(self.what):
+            raise e
 
 
 @contextmanager
@@ -114,6 +140,20 @@ class Handlers:
         self.max_read = 0
         self.writes = 0
         self.write_bytes = 0
+        self.stale_opens = 0  # opens answered ESTALE: the file changed behind tierfs' back
+        self.readdir_held_max = 0  # most entries one open directory's listing held at once
+        # requests answered, by handler name (stats "fuse.requests": how many round trips a
+        # workload costs, e.g. whether the kernel's entry cache spared a LOOKUP)
+        self.requests: collections.Counter[str] = collections.Counter()
+        # seconds spent in each kind of handler (awaits included: a handler that waits for
+        # the backing store counts its wait); with ``requests``, the handlers' share of a
+        # request's cost (docs/benchmarks.md, "Where a small-file read's time goes")
+        self.request_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+    def _op(self, what: str) -> _Op:
+        """Count and time one ``what`` request; map its errors (:func:`fuse_errors`)."""
+        self.requests[what] += 1
+        return _Op(what, self.request_seconds)
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -133,7 +173,7 @@ class Handlers:
 
     # -- namespace: reading ------------------------------------------------------------------
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> Attr:
-        with fuse_errors("lookup"):
+        with self._op("lookup"):
             if parent_inode == CONTROL_DIR:
                 return self.control.lookup(name, self.attr_timeout)
             if parent_inode == ROOT and name == CONTROL_NAME:
@@ -141,28 +181,33 @@ class Handlers:
             return await self.ns.lookup(parent_inode, name)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
-        for inode, n in inode_list:
+        self.requests["forget"] += 1
+        for k, (inode, n) in enumerate(inode_list, 1):
             with logged_errors("forget"):  # one bad inode must not leak the others' lookups
                 self.inodes.forget(inode, n)
+            if k % FORGET_STEP == 0:
+                # the kernel batches thousands of forgets after a big listing: give the loop
+                # to other requests between steps (a step costs a few ms)
+                await trio.lowlevel.checkpoint()
 
     async def getattr(self, inode: int, ctx: RequestCtx | None = None) -> Attr:
-        with fuse_errors("getattr"):
+        with self._op("getattr"):
             if self._is_control(inode):
                 return self.control.attrs(inode, self.attr_timeout)
             return await self.ns.entry_attrs(self.inodes.get(inode))
 
     async def readlink(self, inode: int, ctx: RequestCtx | None = None) -> bytes:
-        with fuse_errors("readlink"):
+        with self._op("readlink"):
             entry = self.inodes.get(inode)
             return await self.meta.run(self.tree.readlink, self.inodes.rel(entry))  # type: ignore[no-any-return]
 
     async def statfs(self, ctx: RequestCtx | None = None) -> StatVfs:
-        with fuse_errors("statfs"):
+        with self._op("statfs"):
             return await self.meta.run(self.tree.statvfs)
 
     # -- xattrs ----------------------------------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: RequestCtx | None = None) -> bytes:
-        with fuse_errors("getxattr"):
+        with self._op("getxattr"):
             if self._is_control(inode):
                 raise FuseError(ENOATTR)
             entry = self.inodes.get(inode)
@@ -171,7 +216,7 @@ class Handlers:
             return await self.meta.run(self.tree.getxattr, self.inodes.rel(entry), name)  # type: ignore[no-any-return]
 
     async def listxattr(self, inode: int, ctx: RequestCtx | None = None) -> list[bytes]:
-        with fuse_errors("listxattr"):
+        with self._op("listxattr"):
             if self._is_control(inode):
                 return []
             entry = self.inodes.get(inode)
@@ -182,7 +227,7 @@ class Handlers:
             return [n.encode("utf-8", "surrogateescape") for n in names]  # type: ignore[union-attr]
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: RequestCtx | None = None) -> None:
-        with fuse_errors("setxattr"):
+        with self._op("setxattr"):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             entry = self.inodes.get(inode)
@@ -193,7 +238,7 @@ class Handlers:
             await self.meta.run(self.tree.setxattr, self.inodes.rel(entry), name, value)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
-        with fuse_errors("removexattr"):
+        with self._op("removexattr"):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             entry = self.inodes.get(inode)
@@ -205,86 +250,100 @@ class Handlers:
 
     # -- directories -----------------------------------------------------------------------
     async def opendir(self, inode: int, ctx: RequestCtx | None = None) -> int:
-        with fuse_errors("opendir"):
+        with self._op("opendir"):
             if inode != CONTROL_DIR:
                 self.inodes.rel(self.inodes.get(inode))  # ENOENT for a removed directory
-            return self.handles.add(DirHandle(inode, []))
+            return self.handles.add(DirHandle(inode))
 
     async def readdir(self, fh: int, start_id: int, emit: DirEmit) -> None:
         """Entries from offset ``start_id`` on, each with its attributes; every entry the
         kernel takes (``emit`` returns True) adds one lookup to its inode (READDIRPLUS)."""
-        with fuse_errors("readdir"):
+        with self._op("readdir"):
             h = self.handles.get(fh)
             assert isinstance(h, DirHandle)
             if h.inode == CONTROL_DIR:
                 self.control.readdir(start_id, emit, self.attr_timeout)
                 return
             parent = self.inodes.get(h.inode)
-            if start_id == 0:
-                # listed when read from the start (first read, rewinddir), not at open: entries
-                # made after the open show, as on a local filesystem
-                h.entries = await self.ns.listing(parent)
-            for i in range(start_id, len(h.entries)):
-                name, obj = h.entries[i]
-                got = await self.ns.listed_attrs(parent, name, obj)
-                if got is None:
-                    continue
-                entry, attrs = got
-                entry.lookups -= 1  # counted only if the kernel takes the entry
-                if not emit(name, attrs, i + 1):
-                    self.inodes.forget(entry.inode, 0)
-                    return
-                entry.lookups += 1
+            if h.listing is None:
+                h.listing = self.ns.listing(parent)
+            lst = h.listing
+            # read a batch at a time (namespace.DirListing); started again when read from
+            # the start (first read, rewinddir), not at open: entries made after the open
+            # show, as on a local filesystem
+            await lst.seek(start_id)
+            i = start_id
+            try:
+                while (item := lst.get(i) or await lst.entry(i)) is not None:
+                    i += 1
+                    name, obj = item
+                    if type(obj) is os.stat_result:  # a backing entry: no await
+                        got: tuple[InodeEntry, Attr] | None = self.ns.listed_backing(parent, name, obj)
+                    else:
+                        got = await self.ns.listed_attrs(parent, name, obj)
+                    if got is None:
+                        continue
+                    entry, attrs = got
+                    entry.lookups -= 1  # counted only if the kernel takes the entry
+                    if not emit(name, attrs, i):
+                        self.inodes.forget(entry.inode, 0)
+                        return
+                    entry.lookups += 1
+            finally:
+                self.readdir_held_max = max(self.readdir_held_max, lst.held)
 
     async def releasedir(self, fh: int) -> None:
+        self.requests["releasedir"] += 1
         with logged_errors("releasedir"):
-            self.handles.pop(fh)
+            h = self.handles.pop(fh)
+            if isinstance(h, DirHandle) and h.listing is not None:
+                h.listing.close()
 
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        with fuse_errors("fsyncdir"):
+        with self._op("fsyncdir"):
             h = self.handles.get(fh)
             if isinstance(h, DirHandle) and h.inode != CONTROL_DIR:
                 await self.meta.run(self.tree.fsync_dir, self.inodes.rel(self.inodes.get(h.inode)))
 
     # -- namespace: changing -------------------------------------------------------------------
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestCtx) -> Attr:
-        with fuse_errors("mkdir"):
+        with self._op("mkdir"):
             return await self.ns.mkdir(parent_inode, name, mode, ctx)
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: RequestCtx) -> Attr:
-        with fuse_errors("mknod"):
+        with self._op("mknod"):
             return await self.ns.mknod(parent_inode, name, mode, rdev, ctx)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
-        with fuse_errors("rmdir"):
+        with self._op("rmdir"):
             await self.ns.rmdir(parent_inode, name)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: RequestCtx) -> Attr:
-        with fuse_errors("symlink"):
+        with self._op("symlink"):
             return await self.ns.symlink(parent_inode, name, target, ctx)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: RequestCtx | None = None) -> Attr:
-        with fuse_errors("link"):
+        with self._op("link"):
             return await self.ns.link(inode, new_parent_inode, new_name)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
-        with fuse_errors("unlink"):
+        with self._op("unlink"):
             await self.ns.unlink(parent_inode, name)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: RequestCtx | None = None) -> None:
-        with fuse_errors("rename"):
+        with self._op("rename"):
             await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     async def setattr(self, inode: int, attr: SetAttr, fh: int | None = None, ctx: RequestCtx | None = None) -> Attr:
-        with fuse_errors("setattr"):
+        with self._op("setattr"):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             return await self.ns.setattr(inode, attr)
 
     # -- files -----------------------------------------------------------------------------
     async def open(self, inode: int, flags: int, ctx: RequestCtx) -> OpenReply:
-        with fuse_errors("open"):
+        with self._op("open"):
             if inode in self.control.by_inode:
                 return self.control.open(inode, ctx, self.handles)
             entry = self.inodes.get(inode)
@@ -312,6 +371,18 @@ class Handlers:
         """Open of a clean file: its backing file; the page cache is kept unless the backing
         file changed since the last open (then its cached chunks are dropped too)."""
         bf = await self.ns.backing_file(self.inodes.rel(entry))
+        i = bf.identity
+        if entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns):
+            if not entry.reval_sent:
+                # Changed behind tierfs' back since the kernel was told its attributes (it
+                # caches names and attributes for attr_timeout): ESTALE makes the VFS walk the
+                # path again with LOOKUP_REVAL, a fresh LOOKUP, and retry the open, so the
+                # reader sees the new size (fs/namespace.py, "Kernel caching").
+                entry.reval_sent = True
+                self.ns.release_backing(bf)
+                self.stale_opens += 1
+                raise FuseError(errno.ESTALE)
+        entry.reval_sent = False
         h.file = bf
         key = bf.key
         changed = entry.last_key is not None and entry.last_key != key
@@ -345,7 +416,7 @@ class Handlers:
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestCtx) -> tuple[OpenReply, Attr]:
-        with fuse_errors("create"):
+        with self._op("create"):
             entry, df = await self.ns.create(parent_inode, name, mode, flags, ctx)
             h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND))
             self.wb.opened(df, True)
@@ -353,7 +424,7 @@ class Handlers:
             return fi, await self.ns.dirty_attrs(entry, df)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        with fuse_errors("read"):
+        with self._op("read"):
             h = self.handles.get(fh)
             if isinstance(h, ControlHandle):
                 return await self.control.read(h, off, size)
@@ -399,7 +470,7 @@ class Handlers:
             self.on_read_end(h.pid, entry.path)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        with fuse_errors("write"):
+        with self._op("write"):
             h = self.handles.get(fh)
             if isinstance(h, ControlHandle):
                 return await self.control.write(h, buf, self.nursery)
@@ -426,15 +497,20 @@ class Handlers:
         return df
 
     async def flush(self, fh: int) -> None:
-        return None
+        """Nothing to do at close(2) (a dirty file's work is at release): ENOSYS, which the
+        kernel takes as success and remembers, sending no FLUSH again for the mount's life
+        (``fc->no_flush``; one round trip less per close)."""
+        self.requests["flush"] += 1
+        raise FuseError(errno.ENOSYS)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
-        with fuse_errors("fsync"):
+        with self._op("fsync"):
             h = self.handles.get(fh)
             if isinstance(h, FileHandle) and h.dirty is not None and h.dirty.state.value != "clean":
                 await self.wb.fsync(h.dirty)
 
     async def release(self, fh: int) -> None:
+        self.requests["release"] += 1
         with logged_errors("release"):  # the kernel ignores release's answer
             h = self.handles.pop(fh)
             if isinstance(h, ControlHandle):

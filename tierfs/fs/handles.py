@@ -49,12 +49,12 @@ class ControlHandle:
 
 @dataclass(eq=False)
 class DirHandle:
-    """An open directory: its listing, taken each time it is read from the start (first read,
-    ``rewinddir``), so entries made after the open show, as on a local filesystem.
-    ``entries`` hold an lstat result or a DirtyFile per name."""
+    """An open directory. ``listing``: its :class:`~tierfs.fs.namespace.DirListing`, read a
+    batch at a time and started again each time it is read from the start (first read,
+    ``rewinddir``), so entries made after the open show, as on a local filesystem."""
 
     inode: int
-    entries: list[tuple[bytes, Any]]
+    listing: Any = None
 
 
 Handle = FileHandle | ControlHandle | DirHandle
