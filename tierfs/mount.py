@@ -485,6 +485,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                    on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
     # one open(2) per backing file however many readers and prefetches use it
     ops.ns.find_open = hints.open_file
+    ops.ns.find_held = hints.held_at
+    ops.ns.openings = hints.openings
     hints.find_open = lambda key: (f if (f := ops.ns.open_files.get(key)) is not None and f.fd >= 0 else None)
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")

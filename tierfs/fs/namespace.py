@@ -44,7 +44,7 @@ from tierfs.fs.api import RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, FuseError, Re
 from tierfs.fs.handles import FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
-from tierfs.sched.backing import BackingFile, Identity, key_path
+from tierfs.sched.backing import BackingFile, Identity, Openings, key_path
 from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
 from tierfs_hints import wire
 
@@ -139,6 +139,9 @@ class Namespace:
         # Backing files the daemon holds open for other reasons (hinted or predicted prefetch),
         # by identity key; an open of that very file shares it (see backing_file).
         self.find_open: Callable[[str], BackingFile | None] | None = None
+        # ... and by path: the file a prefetch holds open at a path relative to the root
+        self.find_held: Callable[[bytes], BackingFile | None] | None = None
+        self.openings = Openings()  # shared with the prefetcher by the mount
         # path -> (trio time, lstat) of the last lookup, for the open that follows it
         self._looked_up: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
         self.shared_opens = 0  # opens served by a backing file already open (no open(2))
@@ -547,7 +550,8 @@ class Namespace:
     async def backing_file(self, rel: bytes) -> BackingFile:
         """The open backing file at ``rel`` (shared by every open of one identity), with one
         more open counted; give it back with :meth:`release_backing`."""
-        shared = self._shared_open(rel)
+        await self.openings.wait(rel)  # a prefetch opening it: share what it opens
+        shared = await self._shared_open(rel)
         if shared is not None:
             held = self.open_files.get(shared.key)
             if held is None or held.fd < 0:
@@ -556,7 +560,11 @@ class Namespace:
             shared.opens += 1
             self.shared_opens += 1
             return shared
-        fd, st = await self.meta.run(open_backing, self.tree, rel)
+        opening = self.openings.begin(rel)
+        try:
+            fd, st = await self.meta.run(open_backing, self.tree, rel)
+        finally:
+            self.openings.end(rel, opening)
         identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:
@@ -568,22 +576,32 @@ class Namespace:
         bf.opens += 1
         return bf
 
-    def _shared_open(self, rel: bytes) -> BackingFile | None:
-        """An open backing file this open can share instead of opening ``rel`` again: the
-        file the lookup just before this open found (the kernel sends LOOKUP right before
-        OPEN: regular files have entry_timeout 0), if the daemon holds exactly that version
-        open already (same identity: inode, size, mtime, ctime) for another open or for a
-        prefetch. A change made behind tierfs' back before the lookup is seen as before; the
-        lookup's result is used once and only within ``LOOKED_UP_S``. Saves the second
-        open(2) of a small file a predicted or hinted prefetch opened (measured: 2 opens per
-        file read in name order before, 1 after; tests/test_miss_path.py)."""
+    async def _shared_open(self, rel: bytes) -> BackingFile | None:
+        """An open backing file this open can share instead of opening ``rel`` again: one the
+        daemon holds open already (for another open, or for a hinted or predicted prefetch)
+        whose identity (inode, size, mtime, ctime) is what ``rel`` names *now*. Now is the
+        lookup the kernel sent just before this open, if there was one within
+        ``LOOKED_UP_S``; else, when a prefetch holds a file at ``rel``, one ``lstat`` (instead
+        of an open). A change made behind tierfs' back is seen as before: a different
+        identity opens the file. Saves the second open(2) of a small file a prefetch opened
+        (measured: 2 opens per file read in name order before, 1 after; tests/test_miss_path.py).
+        Costs nothing when neither holds: no extra call."""
         seen = self._looked_up.pop(rel, None)
-        if seen is None or trio.current_time() - seen[0] > LOOKED_UP_S:
-            return None
-        key = Identity.of(key_path(self.tree.root, rel), seen[1]).key
-        bf = self.open_files.get(key)
-        if (bf is None or bf.fd < 0) and self.find_open is not None:
-            bf = self.find_open(key)
+        if seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S:
+            key = Identity.of(key_path(self.tree.root, rel), seen[1]).key
+            bf = self.open_files.get(key)
+            if (bf is None or bf.fd < 0) and self.find_open is not None:
+                bf = self.find_open(key)
+        else:
+            bf = self.find_held(rel) if self.find_held is not None else None
+            if bf is None or bf.fd < 0:
+                return None
+            try:
+                st = await self.meta.run(self.tree.lstat, rel)
+            except OSError:
+                return None  # the open says why
+            if Identity.of(key_path(self.tree.root, rel), st).key != bf.key:
+                return None
         if bf is None or bf.fd < 0 or bf.stale:
             return None
         return bf
