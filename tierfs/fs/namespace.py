@@ -137,8 +137,16 @@ class Namespace:
 
     # -- attributes ------------------------------------------------------------------------
     def attrs(self, inode: int, st: os.stat_result, *, nlink: int | None = None) -> Attr:
-        return Attr.of(inode, st, nlink=nlink, entry_timeout=self.attr_timeout,
-                       attr_timeout=self.attr_timeout)
+        """The reply for ``st``, cached by the kernel for ``attr_timeout`` seconds, except an
+        object with more than one name (a hard link, not a directory): the daemon knows such
+        an inode by one of its names, so once that name is unlinked, the kernel's cached other
+        names would reach an inode the daemon can no longer resolve (pjdfstest link/00.t,
+        link/02.t: ENOENT for the surviving names). Uncached, each use of another name is
+        looked up again and finds the object under that name."""
+        timeout = self.attr_timeout
+        if (st.st_nlink if nlink is None else nlink) > 1 and not stat.S_ISDIR(st.st_mode):
+            timeout = 0.0
+        return Attr.of(inode, st, nlink=nlink, entry_timeout=timeout, attr_timeout=timeout)
 
     def clean_attrs(self, entry: InodeEntry, st: os.stat_result, *, nlink: int | None = None) -> Attr:
         """The reply for a backing object's attributes ``st``; remembered as what the kernel
