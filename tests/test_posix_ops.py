@@ -215,3 +215,46 @@ def test_directory_times_change_with_entries_in_the_write_tier(tiermount, tmp_pa
     if fd >= 0:
         os.close(fd)
     assert after[0] > time_mark[0] and after[1] >= time_mark[1], (time_mark, after)
+
+
+@pytest.mark.parametrize("kind", ["regular", "fifo", "socket"])
+def test_names_of_a_hard_linked_object_survive_unlink_of_the_first(tiermount, kind: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """pjdfstest link/00.t: three names of one object; unlinking the name tierfs first knew it
+    by leaves the other two working, each seeing the link count drop (the kernel caches names
+    and attributes: a hard-linked object's must not outlive the names they came from)."""
+    m = tiermount(ram="64MiB")  # the default attr_timeout: the kernel caches
+    d = m.mnt / "d"
+    d.mkdir()
+    if kind == "socket":  # sun_path holds 108 bytes: names relative to the directory
+        monkeypatch.chdir(d)
+        d = Path(".")
+    n0, n1, n2 = (d / f"{kind}{i}" for i in range(3))
+    if kind == "regular":
+        n0.write_bytes(b"x")
+    elif kind == "fifo":
+        os.mkfifo(n0)
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(n0))
+    os.link(n0, n1)
+    os.link(n1, n2)
+    assert [os.lstat(p).st_nlink for p in (n0, n1, n2)] == [3, 3, 3]
+    os.chmod(n1, 0o640)
+    os.chown(n1, 65534, 65533)
+    assert [(os.lstat(p).st_uid, stat.S_IMODE(os.lstat(p).st_mode)) for p in (n0, n1, n2)] == [(65534, 0o640)] * 3
+    os.unlink(n0)
+    assert not os.path.lexists(n0)
+    assert [(os.lstat(p).st_nlink, stat.S_IMODE(os.lstat(p).st_mode)) for p in (n1, n2)] == [(2, 0o640)] * 2
+    os.unlink(n2)
+    assert os.lstat(n1).st_nlink == 1 and not os.path.lexists(n2)
+    os.unlink(n1)
+    assert not os.path.lexists(n1)
+    # pjdfstest link/02.t: link back under the first name once it is gone
+    m0, m1 = d / f"{kind}-a", d / f"{kind}-b"
+    m0.write_bytes(b"y")
+    os.link(m0, m1)
+    os.unlink(m0)
+    os.link(m1, m0)
+    os.unlink(m1)
+    os.unlink(m0)
