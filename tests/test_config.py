@@ -71,7 +71,7 @@ def test_layers_and_sources_file_then_flags_then_o(tmp_path: Path, capsys: pytes
     assert rows["depth"] == ["4", "-o"]  # -o wins over the flag, which wins over the file
     assert rows["eviction"] == ["lru", "-o"]
     assert rows["backing"] == ["/data/hdd", f"config file {f}"]
-    assert rows["slice_size"] == ["32MiB", "default"]
+    assert rows["slice_size"] == ["auto", "default"]  # the backing profile decides (hdd: 32MiB)
 
 
 def test_config_toml_output_reads_back_as_the_same_configuration(tmp_path: Path,

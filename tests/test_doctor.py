@@ -3,6 +3,7 @@ of each problem with what to do."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -42,9 +43,12 @@ def test_healthy_mount(tiermount, tmp_path: Path) -> None:
     rc, found = doctor(m.mnt)
     assert rc == 0
     assert set(found) == {"mount", "users", "transport", "tier ram", "tier ssd", "journal", "readahead",
-                          "backing", "write-back"}
+                          "backing", "backing profile", "write-back"}
     assert all(v[0].startswith("ok") for v in found.values()), found
     assert any(str(m.pid) in x for x in found["mount"])
+    # how the profile was decided is shown (the test backing dir's filesystem decides which)
+    [prof] = found["backing profile"]
+    assert "(detected: " in prof and " in flight" in prof, prof
 
 
 def test_lowered_readahead_is_a_problem_with_its_fix(tiermount) -> None:
@@ -133,3 +137,14 @@ def test_doctor_says_who_can_use_the_mount(tiermount) -> None:
     assert rc == 0
     [msg] = found["users"]
     assert msg.startswith("note only uid 0") and "--allow-other" in msg
+
+
+def test_backing_profile_set_by_flag_is_shown_with_what_detection_says(tiermount) -> None:
+    m = tiermount(ram="16MiB", extra=["--backing", "parallel"])
+    doc = json.loads((m.mnt / ".tierfs" / "stats.json").read_text())
+    prof = doc["scheduler"]["profile"]
+    assert (prof["name"], prof["source"], prof["elevator"]) == ("parallel", "flag --backing", False)
+    assert doc["scheduler"]["depth"] == 16
+    rc, found = doctor(m.mnt)
+    [msg] = found["backing profile"]
+    assert "parallel (flag --backing" in msg

@@ -11,6 +11,13 @@ from tierfs import loopwatch
 from tierfs.loopwatch import LoopWatch
 
 
+@pytest.fixture(autouse=True)
+def no_run_queue_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fake step clock no time passes on a run queue (the real schedstat of a loaded
+    machine would be subtracted from fake steps); a test that wants some patches its own."""
+    monkeypatch.setattr(LoopWatch, "_run_delay_ns", lambda self: 0)
+
+
 class StepClock:
     """Stands in for ``time.perf_counter``: a task "blocks" by advancing it."""
 
@@ -102,7 +109,8 @@ def test_run_queue_wait_is_not_blocking(monkeypatch: pytest.MonkeyPatch) -> None
     assert st.runqueue_ms == pytest.approx(70.0 + 10.0 + 1990.0)
 
 
-def test_reads_this_threads_run_delay() -> None:
+def test_reads_this_threads_run_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real one
     watch = LoopWatch(0.050)
     first = watch._run_delay_ns()
     assert first >= 0 and watch._run_delay_ns() >= first

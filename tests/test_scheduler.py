@@ -202,6 +202,59 @@ def test_every_request_served_exactly_once_per_chunk(reqs) -> None:  # type: ign
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+# -- the parallel profile: several runs in flight, arrival order, a share kept for demand ------
+
+async def test_parallel_profile_runs_depth_at_once_in_class_order(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    spec, dl, dem = bfile("spec", 1), bfile("dl", 2), bfile("dem", 3)
+    sched = TransactionScheduler(disk.read, chunk_size=CS, slice_size=CS, depth=4, elevator=False)
+    for idx in (9, 3, 7, 1, 5):  # arrival order, not disk order
+        sched.submit(spec, idx, Klass.SPECULATIVE)
+    sched.submit(dl, 0, Klass.DEADLINE, deadline=trio.current_time() + 100)
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.fetch, dem, 0, Klass.DEMAND)
+        await trio.testing.wait_all_tasks_blocked()
+        await n.start(sched.run)
+        await trio.sleep(5)
+        n.cancel_scope.cancel()
+    first = [(name, idx) for name, idx, _, t in disk.log if t == disk.log[0][3]]
+    # 4 in flight at once: demand, then deadline, then the oldest readahead; background work
+    # holds at most 3 of the 4 slots
+    assert first == [("dem", 0), ("dl", 0), ("spec", 9), ("spec", 3)]
+    assert [idx for name, idx, *_ in disk.log if name == "spec"] == [9, 3, 7, 1, 5]
+    assert sched.statistics().background_slots == 3 and not sched.statistics().elevator
+
+
+async def test_parallel_profile_demand_never_waits_behind_readahead(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f, g = bfile("f", 1, size=1000 * CS), bfile("g", 2)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS, depth=8, elevator=False)
+        for i in range(100):  # a deep readahead queue
+            sched.submit(f, i, Klass.SPECULATIVE)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.statistics().in_flight == 6  # 8 - 8 // 4: two slots stay free
+        t0 = trio.current_time()
+        await sched.fetch(g, 0)
+        assert trio.current_time() - t0 == pytest.approx(SEEK + CS / RATE)  # served at once
+        n.cancel_scope.cancel()
+
+
+async def test_hdd_profile_keeps_one_request_and_the_elevator(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    disk = FakeDisk()
+    f = bfile("f", 1, size=1000 * CS)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)  # the defaults are the hdd profile's
+        for idx in (900, 100, 600):
+            sched.submit(f, idx, Klass.SPECULATIVE)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.statistics().in_flight == 1
+        await trio.sleep(2)
+        n.cancel_scope.cancel()
+    assert [first for _, first, *_ in disk.log] == [100, 600, 900]
+    assert sched.statistics().elevator and sched.statistics().background_slots == 1
+
+
 async def test_cancelled_io_caller_never_outlives_nor_precedes_its_call(autojump_clock) -> None:  # type: ignore[no-untyped-def]
     """A caller cancelled while its backing-store call runs gets Cancelled only once the call
     has returned (it then closes what the call used); one cancelled while its call is still
@@ -233,3 +286,36 @@ async def test_cancelled_io_caller_never_outlives_nor_precedes_its_call(autojump
         await trio.sleep(5)
         n.cancel_scope.cancel()
     assert events == ["queued unwound", "running ran", "running unwound"]
+
+
+@pytest.mark.parametrize(("name", "wakes_after_chunks"), [("parallel", 1), ("hdd", 8)])
+async def test_a_waiting_reader_wakes_when_its_chunk_is_there(autojump_clock, name: str,  # type: ignore[no-untyped-def]
+                                                             wakes_after_chunks: int) -> None:
+    """A large miss with readahead queued behind it: on the parallel profile the chunks are
+    separate transfers running at once, and the reader of chunk 0 wakes after one chunk's
+    time; the hdd profile reads them as one run (a reader waits for the run: one seek)."""
+    from tierfs.sched import profile
+
+    # the profile's own values (hdd: slices of 8 chunks here, 32 MiB at 4 MiB chunks)
+    p = profile.resolve(name, "test", "/x", chunk_size=CS, depth=None,
+                        slice_size=8 * CS if name == "hdd" else None)
+    disk = FakeDisk()
+    f = bfile("f", 1)
+    sched = TransactionScheduler(disk.read, chunk_size=CS, slice_size=p.slice_size, depth=p.depth,
+                                 elevator=p.elevator)
+    for i in range(1, 8):
+        sched.submit(f, i, Klass.SPECULATIVE)
+    woke: list[float] = []
+
+    async def reader() -> None:
+        await sched.fetch(f, 0)
+        woke.append(trio.current_time())
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reader)  # queued before the dispatcher starts: both profiles see all 8
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        await n.start(sched.run)
+        await trio.sleep(1)
+        n.cancel_scope.cancel()
+    assert woke[0] - t0 == pytest.approx(SEEK + wakes_after_chunks * CS / RATE)

@@ -120,6 +120,7 @@ class BackingTree:
     def __init__(self, root: bytes) -> None:
         self.root = root
         self.fd = os.open(root, O_PATH_DIR)
+        self.opens = 0  # calls of open() (objects opened, not directories walked): stats, tests
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -133,6 +134,7 @@ class BackingTree:
         Creating calls should pass ``O_EXCL``. Raises OSError (ELOOP: a symlink on the way;
         EXDEV: the path leads out of the root)."""
         flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+        self.opens += 1
         if not rel:
             return openat2(self.fd, b".", flags, mode)
         if len(rel) <= PIECE_MAX:

@@ -34,8 +34,10 @@ def _mount_config(args: argparse.Namespace) -> Config:
     flags = {"ram": args.ram, "ssd": args.ssd, "chunk_size": args.chunk_size,
              "eviction": args.eviction, "log_level": args.log_level, "depth": args.depth,
              "write_tier": args.write_tier, "fsync": args.fsync, "transport": args.transport,
-             "allow_other": args.allow_other, "metrics_port": args.metrics_port}
-    layers += [(f"flag --{'no-' if v is False else ''}{k.replace('_', '-')}", {k: v})
+             "allow_other": args.allow_other, "metrics_port": args.metrics_port,
+             "backing_profile": args.backing_profile}
+    flag_names = {"backing_profile": "backing"}  # --backing: the key `backing` names the directory
+    layers += [(f"flag --{'no-' if v is False else ''}{flag_names.get(k, k).replace('_', '-')}", {k: v})
                for k, v in flags.items() if v is not None]
     layers += [("-o", parse_mount_options(opt)) for opt in args.option or []]
     cfg = resolve(layers)
@@ -306,6 +308,8 @@ def _table(doc: dict[str, Any]) -> None:
     rows = [
         ("queued demand / deadline / speculative", f"{q['demand']} / {q['deadline']} / {q['speculative']}"),
         ("in flight (depth)", f"{s['in_flight']} ({s['depth']})"),
+        *([("backing profile", f"{s['profile']['name']} ({s['profile']['source']}: {s['profile']['reason']})")]
+          if s.get("profile") else []),
         ("bytes read from backing", format_size(s["backing_bytes_read"])),
         ("transfers (mean size)", f"{s['backing_reads']} ({format_size(s['mean_transfer_bytes'])})"),
         ("busy fraction", f"{s['busy_fraction']:.2f}"),
@@ -606,7 +610,10 @@ def build_parser() -> argparse.ArgumentParser:
     opts.add_argument("--ssd", help="SSD tier DIR[:SIZE] (persistent across mounts)")
     opts.add_argument("--chunk-size", help="unit of caching, e.g. 4MiB")
     opts.add_argument("--eviction", help="nothrash (default) or lru")
-    opts.add_argument("--depth", help="backing-store requests in flight (default 1)")
+    opts.add_argument("--depth", help="backing-store requests in flight (default auto: 1 for hdd, 16 for parallel)")
+    opts.add_argument("--backing", dest="backing_profile", metavar="{hdd,parallel,auto}",
+                      help="backing-store profile: hdd (one request at a time, elevator), parallel "
+                           "(SSD/NVMe, RAID, NFS: many in flight) or auto (default: detected at mount)")
     opts.add_argument("--write-tier", help="tier that absorbs writes: ssd, ram or auto (default)")
     opts.add_argument("--transport", choices=("auto", "native", "pyfuse3"),
                       help="FUSE transport: native (kernel passthrough; root), pyfuse3, or auto "

@@ -63,6 +63,29 @@ def _ssd(v: Any, key: str) -> tuple[str, int | None] | None:
     return (text, None)
 
 
+def _int_or_auto(lo: int, hi: int) -> Callable[[Any, str], int | None]:
+    """A whole number ``lo..hi`` or ``auto`` (None: the backing profile's value)."""
+    inner = _int_range(lo, hi)
+
+    def parse(v: Any, key: str) -> int | None:
+        if v is None or str(v).lower() == "auto":
+            return None
+        try:
+            return inner(v, key)
+        except ConfigError:
+            raise ConfigError(f"{key}: expected a whole number {lo}..{hi} or auto, got {v!r}") from None
+
+    parse.kind = f"whole number {lo}..{hi} or auto"  # type: ignore[attr-defined]
+    return parse
+
+
+def _size_or_auto(v: Any, key: str) -> int | None:
+    """A size > 0 or ``auto`` (None: the backing profile's value)."""
+    if v is None or str(v).lower() == "auto":
+        return None
+    return _positive_size(v, key)
+
+
 def _ram(v: Any, key: str) -> int | None:
     """``SIZE``, ``0`` (no RAM tier) or ``auto`` (the default rule)."""
     if v in (None, "auto"):
@@ -136,9 +159,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("ssd", _ssd, None, "SSD tier as DIR or DIR:SIZE; default size = 50% of the free space "
            "of DIR's filesystem; persistent across mounts"),
     Option("chunk_size", _chunk_size, 4 * MiB, "bytes: unit of residency, fetch and eviction"),
-    Option("slice_size", _positive_size, 32 * MiB, "bytes: longest single backing-store transfer; "
-           "a demand read waits at most one slice (32 MiB = ~180 ms at 180 MB/s)"),
-    Option("depth", _int_range(1, 64), 1, "backing-store requests in flight (1 for an HDD)"),
+    Option("backing_profile", _choice("auto", "hdd", "parallel"), "auto", "how the backing store "
+           "is driven: hdd (one request at a time in elevator order, long slices), parallel (SSD/NVMe, "
+           "RAID, NFS/Lustre, tmpfs: many requests in flight, arrival order, one-chunk slices) or auto "
+           "(detected at mount: the backing device's rotational flag, a network or memory filesystem; "
+           "hdd when it cannot be told). Flag: --backing"),
+    Option("slice_size", _size_or_auto, None, "bytes: longest single backing-store transfer; "
+           "a demand read waits at most one slice. auto = 32MiB for hdd (~180 ms at 180 MB/s), "
+           "one chunk for parallel"),
+    Option("depth", _int_or_auto(1, 64), None, "backing-store requests in flight; auto = 1 for hdd, "
+           "16 for parallel"),
     Option("readahead_max", _positive_size, 64 * MiB, "bytes: largest speculative readahead window per file"),
     Option("staging", _size, 256 * MiB, "bytes: daemon memory, on top of the tiers, for fetched "
            "chunks not (yet) in a tier: readahead, and chunks a full tier did not admit"),
@@ -195,8 +225,9 @@ class Config:
     ram_dir: str = "/dev/shm"
     ssd: tuple[str, int | None] | None = None
     chunk_size: int = 4 * MiB
-    slice_size: int = 32 * MiB
-    depth: int = 1
+    backing_profile: str = "auto"
+    slice_size: int | None = None  # None: the backing profile's (tierfs.sched.profile)
+    depth: int | None = None  # None: the backing profile's
     readahead_max: int = 64 * MiB
     staging: int = 256 * MiB
     eviction: str = "nothrash"
@@ -250,7 +281,7 @@ def resolve(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> Config:
             except ConfigError as e:
                 raise ConfigError(f"{e} ({source})") from None
             cfg.sources[name] = source
-    if cfg.slice_size < cfg.chunk_size:
+    if cfg.slice_size is not None and cfg.slice_size < cfg.chunk_size:
         raise ConfigError(f"slice_size ({cfg.slice_size}) must be at least chunk_size ({cfg.chunk_size})")
     return cfg
 
@@ -304,6 +335,7 @@ _KINDS: dict[Callable[[Any, str], Any], str] = {
     _positive_size: "size in bytes (16GiB, 512M, 4096), > 0",
     _chunk_size: "size in bytes, a multiple of 4KiB, at most 256MiB",
     _ram: "size in bytes, 0 (no RAM tier) or auto",
+    _size_or_auto: "size in bytes (16GiB, 512M, 4096), > 0, or auto",
     _ssd: "DIR or DIR:SIZE",
     _duration: "seconds (30, 2.5s, 250ms, 10m)",
     _bool: "true or false",
@@ -327,14 +359,15 @@ def _compact_size(n: int) -> str:
 
 def format_value(opt: Option, value: Any) -> str:
     """``value`` of ``opt`` as a user writes it (``4MiB``, ``120s``, ``auto``)."""
-    if opt.parse in (_ram, _bool_or_auto) and value is None:
+    if value is None and (opt.parse in (_ram, _bool_or_auto, _size_or_auto)
+                          or str(getattr(opt.parse, "kind", "")).endswith("or auto")):
         return "auto"
     if opt.parse is _ssd:
         if value is None:
             return "none"
         path, size = value
         return path if size is None else f"{path}:{_compact_size(size)}"
-    if opt.parse in (_size, _positive_size, _chunk_size, _ram):
+    if opt.parse in (_size, _positive_size, _chunk_size, _ram, _size_or_auto):
         return _compact_size(int(value))
     if opt.parse is _duration:
         return f"{value:g}s"
@@ -349,7 +382,7 @@ def toml_value(opt: Option, value: Any) -> str:
         return "true" if value else "false"
     if opt.parse in (_duration, _fraction):
         return f"{value:g}"
-    if isinstance(value, int) and opt.parse not in (_size, _positive_size, _chunk_size, _ram):
+    if isinstance(value, int) and opt.parse not in (_size, _positive_size, _chunk_size, _ram, _size_or_auto):
         return str(value)
     text = format_value(opt, value)
     return '""' if text == '""' else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tierfs import private
+from tierfs.sched import profile as profile_mod
 from tierfs.units import format_size
 from tierfs_hints import wire
 
@@ -228,6 +229,26 @@ def _check_backing(backing: str) -> Finding:
     return Finding("ok", "backing", f"{backing} answers")
 
 
+def _check_profile(doc: dict[str, Any]) -> Finding:
+    """The backing profile the daemon uses and how it was decided; a note when it was set by
+    hand and the kernel says otherwise (a mismatch costs throughput, never correctness)."""
+    s = doc.get("scheduler", {})
+    p = s.get("profile")
+    if not p:
+        return Finding("note", "backing profile", "the daemon does not report one (an older tierfs)")
+    text = (f"{p['name']} ({p['source']}: {p['reason']}); {s.get('depth')} in flight, "
+            f"slices of {format_size(int(s.get('slice_bytes', 0)))}")
+    if p["source"] != "detected":
+        try:
+            detected, why = _with_timeout(lambda: profile_mod.detect(doc["backing"]), TIMEOUT_S)
+        except _Hung:
+            detected, why = p["name"], ""
+        if detected != p["name"]:
+            return Finding("note", "backing profile", f"{text}; detection would say {detected} ({why}). "
+                                                      "Use --backing auto unless you know better")
+    return Finding("ok", "backing profile", text)
+
+
 def _check_writeback(wb: dict[str, Any]) -> list[Finding]:
     out = []
     if wb.get("late_files"):
@@ -334,6 +355,7 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
         out.append(_check_journal(write_tier["path"]))
     out.append(_check_readahead(mnt, int(cfg.get("read_ahead_kb", 0))))
     out.append(_check_backing(doc["backing"]))
+    out.append(_check_profile(doc))
     if wb:
         out += _check_writeback(wb)
     if cfg.get("metrics_port"):

@@ -146,6 +146,103 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
+# Errors that say "this kernel or this pair of filesystems cannot do it this way": fall back to
+# the next method (copy_file_range between two filesystems of different types gives EXDEV;
+# before Linux 5.3 always; some FUSE and network filesystems EOPNOTSUPP/EINVAL/ENOSYS).
+_NOT_THIS_WAY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF})
+COPY_METHODS = ("copy_file_range", "splice", "pread")
+
+
+class CopyStats:
+    """How many copies and bytes each method of :func:`copy_range` carried (per process)."""
+
+    def __init__(self) -> None:
+        self.calls = dict.fromkeys(COPY_METHODS, 0)
+        self.bytes = dict.fromkeys(COPY_METHODS, 0)
+        # (method, route) pairs that failed with a "not this way" error
+        self.broken: set[tuple[str, object]] = set()
+
+
+copy_stats = CopyStats()
+
+
+def _copy_file_range(src: int, dst: int, length: int, src_off: int, dst_off: int) -> int:
+    done = 0
+    while done < length:
+        n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
+        if n == 0:
+            break  # end of the source file
+        done += n
+    return done
+
+
+def _splice(src: int, dst: int, length: int, src_off: int, dst_off: int) -> int:
+    """File -> pipe -> file with explicit offsets (no file position is used: other threads
+    write other chunks of the same tier file through the same descriptor)."""
+    r, w = os.pipe()
+    try:
+        try:  # a 1 MiB pipe: 16x fewer round trips than the 64 KiB default
+            import fcntl
+
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        done = 0
+        while done < length:
+            n = os.splice(src, w, length - done, offset_src=src_off + done)
+            if n == 0:
+                break
+            moved = 0
+            while moved < n:
+                moved += os.splice(r, dst, n - moved, offset_dst=dst_off + done + moved)
+            done += n
+        return done
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _pread_pwrite(src: int, dst: int, length: int, src_off: int, dst_off: int) -> int:
+    data = pread_exact(src, length, src_off)
+    pwrite_all(dst, data, dst_off)
+    return len(data)
+
+
+_COPIERS = {"copy_file_range": _copy_file_range, "splice": _splice, "pread": _pread_pwrite}
+
+
+def copy_range(src: int, dst: int, length: int, src_off: int, dst_off: int, *,
+               methods: tuple[str, ...] = COPY_METHODS, route: object = None) -> int:
+    """Copy ``length`` bytes at ``src_off`` of file ``src`` to ``dst_off`` of file ``dst``
+    without the bytes passing through Python where the kernel allows: ``copy_file_range(2)``
+    (in-kernel; a reflink or server-side copy where the filesystems offer one), else
+    ``splice(2)`` through a pipe, else ``pread``+``pwrite``. A method that fails with EXDEV,
+    EINVAL, ENOSYS, EOPNOTSUPP or EBADF is not tried again on ``route`` (the caller's name for
+    the pair of filesystems, e.g. the destination tier) in this process. Neither file's
+    position is used or moved. Returns the bytes copied (short only at the end of ``src``).
+    Blocking: call in a device thread. Raises OSError (other errors: EIO, ENOSPC, ...).
+
+    Measured (bench/bench_copy.py, docs/benchmarks.md): copy_file_range is the fastest from
+    tmpfs and from ext4 into tmpfs; sendfile(2) is not offered because it writes at the
+    destination's file position, which threads copying into one tier file would share."""
+    last: OSError | None = None
+    for m in methods:
+        if (m, route) in copy_stats.broken:
+            continue
+        try:
+            n = _COPIERS[m](src, dst, length, src_off, dst_off)
+        except OSError as e:
+            if e.errno not in _NOT_THIS_WAY:
+                raise
+            copy_stats.broken.add((m, route))
+            last = e
+            continue
+        copy_stats.calls[m] += 1
+        copy_stats.bytes[m] += n
+        return n
+    raise last if last is not None else OSError(errno.ENOSYS, "no copy method left")
+
+
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free the blocks of ``[offset, offset+length)`` and keep the file size (fallocate(2)
     ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE``; supported by tmpfs, ext4, xfs, btrfs).

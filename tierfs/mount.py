@@ -44,6 +44,7 @@ from tierfs.fs.handlers import Handlers
 from tierfs.fs.inodes import InodeTable
 from tierfs.predict.hints import HintService
 from tierfs.predict.readahead import Readahead
+from tierfs.sched import profile as backing_profile
 from tierfs.sched.backing import BackingFile
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.transport import Session, start_session
@@ -61,7 +62,8 @@ META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (
 # per open); on a slow disk, 2 s costs at most one slow inline call (~10 ms) every 2 s
 META_THREAD_PERIOD_S = 2.0
 DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
-DIRTY_THREAD_PERIOD_S = 2.0  # after which writes try inline again: throttling comes and goes
+DIRTY_THREAD_PERIOD_S = 2.0
+WILLNEED_OVER = 1 << 20  # backing reads longer than one 1 MiB device request are announced  # after which writes try inline again: throttling comes and goes
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,8 @@ def _read_checked(f: BackingFile, offset: int, length: int) -> bytes:
     # Queue the whole run at the device at once: one pread alone reaches an HDD as a chain of
     # 1 MiB requests with one outstanding, and the disk idles between them (73% busy measured
     # on the emulated HDD with 8 readers). The requests are contiguous, so nothing interleaves.
-    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
+    if length > WILLNEED_OVER:  # (a read of one request's size needs no announcing: a syscall saved)
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
     data = io.pread_exact(f.fd, length, offset)
     # The bytes now live in a tier (and the mount's page cache): a third copy in the backing
     # store's page cache would only push useful pages out.
@@ -381,7 +384,12 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         else:
             ssd_catalog = SsdCatalog(_private_db(tier, "catalog.sqlite"))
         devices.append(io.Device(tp.name, 4))
-    backing_dev = io.Device("backing", cfg.depth)
+    profile = backing_profile.resolve(cfg.backing_profile, cfg.sources.get("backing_profile", "default"),
+                                      plan.backing, chunk_size=cfg.chunk_size, depth=cfg.depth,
+                                      slice_size=cfg.slice_size)
+    log.info("backing profile %s (%s): %s; depth %d, slices of %s", profile.name, profile.source,
+             profile.reason, profile.depth, format_size(profile.slice_size))
+    backing_dev = io.Device("backing", profile.depth)
     meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S,
                      thread_period=META_THREAD_PERIOD_S)
 
@@ -392,8 +400,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         return await backing_dev.run(fn)
 
     scheduler = TransactionScheduler(read_backing, chunk_size=cfg.chunk_size,
-                                     slice_size=cfg.slice_size, depth=cfg.depth,
-                                     run_io=run_backing_io)
+                                     slice_size=profile.slice_size, depth=profile.depth,
+                                     run_io=run_backing_io, elevator=profile.elevator)
     total_chunks = sum(t.capacity for t in tiers) // cfg.chunk_size
     policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks), plan=HintPlan())
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
@@ -415,7 +423,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],
         data_device=dirty_data_dev,
         scheduler=scheduler, journal=journal,
-        make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=cfg.slice_size,
+        make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=profile.slice_size,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
         # fsync waits for the backing store
         fsync_backing=cfg.fsync == "backing" or wt_name == "ram")
@@ -425,7 +433,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         return df.size if df is not None and df.state.value != "clean" else 0
 
     hints = HintService(cache=cache, scheduler=scheduler, tree=tree, meta=meta,
-                        chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * cfg.slice_size,
+                        chunk_size=cfg.chunk_size, write_tier=wt, budget=2 * profile.slice_size,
                         dirty_bytes=dirty_bytes, predict_bytes=min(cfg.readahead_max, 4 * cfg.chunk_size),
                         user_share=cfg.user_hint_share, mountpoint=os.fsencode(plan.mountpoint))
     ctl = ControlCommands(hints=hints, writeback=writeback, tree=tree, meta=meta,
@@ -439,6 +447,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                                fuse_writes=(ops.writes, ops.write_bytes),
                                devices=[*devices, backing_dev, meta, dirty_data_dev])
+        doc["scheduler"]["backing_opens"] = tree.opens  # open(2) calls on the backing tree
+        doc["scheduler"]["shared_opens"] = ops.ns.shared_opens  # opens that reused an open file
+        doc["scheduler"]["profile"] = {"name": profile.name, "source": profile.source,
+                                       "reason": profile.reason, "elevator": profile.elevator}
         doc["fuse"]["requests"] = dict(ops.requests)  # by handler; flush counts its one ENOSYS
         doc["fuse"]["request_seconds"] = dict(ops.request_seconds)  # time in each handler
         doc["fuse"]["stale_opens"] = ops.stale_opens
@@ -471,6 +483,11 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                    readahead=Readahead(cfg.chunk_size, cfg.readahead_max, budget=cfg.staging),
                    control=control, meta=meta, attr_timeout=cfg.attr_timeout,
                    on_open_read=hints.file_opened, on_read_end=hints.file_read_end)
+    # one open(2) per backing file however many readers and prefetches use it
+    ops.ns.find_open = hints.open_file
+    ops.ns.find_held = hints.held_at
+    ops.ns.openings = hints.openings
+    hints.find_open = lambda key: (f if (f := ops.ns.open_files.get(key)) is not None and f.fd >= 0 else None)
     # fsname = the backing dir: df shows it, and `mount -a` sees that an fstab line is mounted
     fsname = plan.backing.replace("\\", "\\\\").replace(",", "\\,")
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Any
 
-from tierfs import tasks
+from tierfs import io, tasks
 from tierfs.cache.manager import Cache
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.writeback.manager import WriteBack
@@ -73,6 +73,9 @@ def build(
             "bypassed": cs.bypassed,
             "checksum_failures": cs.checksum_failures,
             "partial_fetches": cs.partial_fetches,
+            # misses copied backing -> tier file in the kernel, and by which method
+            "direct_fetches": cs.direct_fetches,
+            "kernel_copies": dict(io.copy_stats.calls),
             # passthrough (tiers[].passthrough_*): reads the kernel serves from a tier file never
             # reach the daemon and are in none of the hit or byte counts above
             "leased_files": cs.leased_files,

@@ -52,6 +52,24 @@ def _pread_range(f: BackingFile, offset: int, length: int) -> bytes:
     return data
 
 
+def _copy_checked(f: BackingFile, tier: Tier, offset: int, length: int) -> bool:
+    """Copy ``[offset, offset+length)`` of backing file ``f`` into its tier file in ``tier``
+    (in the backing device's thread), then check that ``f`` did not change meanwhile. True if
+    every byte is there and current. Raises TierIOError."""
+    if length > 1 << 20:
+        # The kernel copy reads the source through its page cache, one readahead window
+        # (128 KiB by default) after the other; announced, the whole range is queued at the
+        # device at once, as many requests in flight as the store takes.
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
+    n = tier.copy_in(f.key, offset, f.fd, length, f.identity.dev)
+    # the bytes live in the tier now: the backing store's page cache need not keep a copy
+    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
+    st = os.fstat(f.fd)
+    if st.st_size != f.identity.size or st.st_mtime_ns != f.identity.mtime_ns:
+        f.stale = True
+    return n == length and not f.stale
+
+
 @dataclass(eq=False)
 class Staged:
     """A fetched chunk held in memory: not (yet) admitted to a tier, or readahead not yet read."""
@@ -101,6 +119,7 @@ class CacheStats:
     checksum_failures: int
     partial_fetches: int
     policy: str
+    direct_fetches: int = 0  # chunks copied backing -> tier file in the kernel (parallel profile)
     leased_files: int = 0  # files with a passthrough lease now (all tiers)
     passthrough_refusals: int = 0  # lease_resident answered None (not whole in one tier, ...)
 
@@ -131,6 +150,12 @@ class Cache:
         self.residency: list[Residency] = [policy.new_residency() for _ in tiers]
         self.scheduler = scheduler
         scheduler.on_fetched = self._on_fetched
+        # A parallel backing store's misses go straight into a tier file in the kernel (see
+        # _transfer). An HDD's keep today's path: one pread of the whole run queued at the
+        # disk at once (a kernel copy reads through the source's readahead window instead).
+        if not scheduler.elevator and scheduler.can_run_io:
+            scheduler.transfer = self._transfer
+        self.direct_fetches = 0  # chunks copied backing -> tier in the kernel
         self.chunk_size = chunk_size
         self.catalog = Catalog()
         self.ssd_catalog = ssd_catalog
@@ -251,6 +276,16 @@ class Cache:
                     partial(_pread_range, f, idx * self.chunk_size + start, n), Klass.DEMAND,
                     nbytes=n, position=(f.order, idx), written=False)  # type: ignore[return-value]
             data = await self.scheduler.fetch(f, idx, Klass.DEMAND)
+            if data is None:  # copied straight into a tier: read it there
+                entry = self.catalog.get(cid)
+                got = await self._read_resident(cid, entry, start, n) if entry is not None else None
+                if got is None:
+                    continue  # evicted or failed meanwhile: look again
+                self.backing_hits += 1
+                self.backing_bytes_served += n
+                assert entry is not None
+                self.tiers[entry.tier].bytes_served += n
+                return got
             self.backing_hits += 1
             self.backing_bytes_served += n
             staged = self.staging.get(cid)
@@ -493,6 +528,67 @@ class Cache:
             self.scheduler.submit(f, idx, klass, deadline)
             n += 1
         return n
+
+    async def _transfer(self, run: list[FetchRequest], offset: int, length: int) -> bool:
+        """The scheduler's :data:`~tierfs.sched.scheduler.Transfer`: copy a run of chunks from
+        the backing store into the fastest non-persistent tier that has room for all of them
+        without evicting anything, in the kernel (copy_file_range/splice: the bytes never reach
+        Python), and record them resident. Declines (False: the scheduler reads the run into
+        memory, and staging and placement go as before) when no such tier has room, when a
+        chunk is already somewhere, or when the copy fails or the file changed. A persistent
+        tier is never used: its chunks need a checksum of their bytes."""
+        f = run[0].file
+        lengths = [min(self.chunk_size, f.size - r.index * self.chunk_size) for r in run]
+        cids = [r.cid for r in run]
+        need = sum(blocks(n) for n in lengths)
+        if f.stale or f.fd < 0 or any(c in self.catalog.entries or c in self.staging or c in self._moving
+                                      for c in cids):
+            return False
+        t = next((i for i, tier in enumerate(self.tiers)
+                  if i != self.persistent_tier and tier.cache_room() >= need), None)
+        if t is None:
+            return False
+        tier = self.tiers[t]
+        reserved = 0
+        for n in lengths:
+            if not tier.reserve(n, keep_free=tier.keep_free):
+                break
+            reserved += 1
+        if reserved < len(lengths):
+            for n in lengths[:reserved]:
+                tier.release(n)
+            return False
+        self._moving.update(cids)
+        ok = False
+        try:
+            for c in cids:
+                await self._quiet(t, c)
+            try:
+                ok = await self.scheduler.run_io(partial(_copy_checked, f, tier, offset, length))
+            except OSError as e:  # the backing file's fstat/fadvise: the plain read will tell
+                log.debug("kernel copy of %s: %s; reading instead", f.path, e)
+            except TierIOError as e:
+                if is_enospc(OSError(e.errno, "")):
+                    await self._tier_write_failed(t, cids[0], e)
+                else:
+                    log.debug("kernel copy into tier %s failed (%s); reading instead", tier.name, e)
+            if not ok:
+                await self._punch(t, cids[0], length)
+                return False
+            for c, n in zip(cids, lengths, strict=True):
+                self.catalog.add(c, ChunkEntry(t, n, 0))
+                self.residency[t].add(c)
+                self.placements += 1
+                self.direct_fetches += 1
+            for r, n in zip(run, lengths, strict=True):
+                if r.klass is not Klass.DEMAND and r.waiters == 0:
+                    self._unread_prefetch[r.cid] = n  # readahead nobody has read yet
+            return True
+        finally:
+            if not ok:
+                for n in lengths:
+                    tier.release(n)
+            self._moving.difference_update(cids)
 
     def _on_fetched(self, req: FetchRequest, data: bytes) -> None:
         """Scheduler callback: every fetched chunk is staged first (memory, instant)."""
@@ -995,6 +1091,7 @@ class Cache:
             checksum_failures=self.checksum_failures,
             partial_fetches=self.partial_fetches,
             policy=self.policy.name,
+            direct_fetches=self.direct_fetches,
             leased_files=len(self._pinned),
             passthrough_refusals=self.passthrough_refusals,
         )

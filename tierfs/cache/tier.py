@@ -205,6 +205,19 @@ class Tier:
         except OSError as e:
             raise TierIOError(self.name, e) from e
 
+    def copy_in(self, key: str, offset: int, src_fd: int, length: int, src_dev: int = 0) -> int:
+        """Copy ``length`` bytes at ``offset`` of file ``src_fd`` to the same offset of the tier
+        file of ``key`` in the kernel (:func:`tierfs.io.copy_range`: copy_file_range, else
+        splice). Returns the bytes copied (short at the end of the source). Blocking. Raises
+        TierIOError for any failure, of either file (the caller falls back to a plain read).
+        ``src_dev``: the source's device: a method the kernel refuses is not tried again
+        between that filesystem and this tier."""
+        try:
+            with self._use(key, create=True) as fd:
+                return io.copy_range(src_fd, fd, length, offset, offset, route=(self.name, src_dev))
+        except OSError as e:
+            raise TierIOError(self.name, e) from e
+
     def read(self, key: str, offset: int, length: int) -> bytes:
         """Read cached bytes. Raises TierIOError (the caller falls back)."""
         try:

@@ -418,9 +418,8 @@ class Handlers:
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestCtx) -> tuple[OpenReply, Attr]:
         with self._op("create"):
-            entry, df = await self.ns.create(parent_inode, name, mode, flags, ctx)
+            entry, df = await self.ns.create(parent_inode, name, mode, flags, ctx)  # opened for writing
             h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND))
-            self.wb.opened(df, True)
             fi = OpenReply(self.handles.add(h), keep_cache=True)
             return fi, await self.ns.dirty_attrs(entry, df)
 

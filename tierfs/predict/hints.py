@@ -33,6 +33,7 @@ import math
 import os
 import stat
 from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -55,7 +56,7 @@ from tierfs.cache.plan import (
 from tierfs.errors import HintDenied, HintError
 from tierfs.io import Device, Pacer
 from tierfs.predict.nextfile import NextFilePredictor
-from tierfs.sched.backing import BackingFile, Identity, key_path
+from tierfs.sched.backing import BackingFile, Identity, Openings, key_path
 from tierfs.sched.scheduler import FetchRequest, Klass, ReqState, TransactionScheduler
 from tierfs_hints import wire
 
@@ -72,6 +73,11 @@ INDEX_BATCH = 2048  # chunk occurrences indexed into the plan between two chance
 DEFAULT_USER_SHARE = 0.5  # see the user_hint_share option (tierfs.config)
 MAX_CHECKPOINT_DIRS = 64  # checkpoint declarations per user
 MAX_BAD_KEYS = 100_000  # remembered unreadable files (cleared beyond)
+# Prefetched files held open for their reader's open (see _close_idle_files): a DataLoader
+# worker opens the file it was predicted to read within its batch time, well under 10 s; 64
+# descriptors cover the predictions of 16 workers several files deep.
+HANDOFF_S = 10.0
+HANDOFF_MAX = 64
 
 
 class HintService:
@@ -113,6 +119,13 @@ class HintService:
         self.dirty_bytes = dirty_bytes or (lambda rel: 0)
         self._queued: dict[ChunkId, FetchRequest] = {}
         self._files: dict[str, BackingFile] = {}
+        # prefetched files kept open for the reader they were fetched for: key -> (time, file)
+        self._handoff: OrderedDict[str, tuple[float, BackingFile]] = OrderedDict()
+        self.openings = Openings()  # opens under way (shared with the namespace by the mount)
+        self._key_at: dict[bytes, str] = {}  # path -> key of the file held open there
+        self._path_of: dict[str, bytes] = {}  # key -> its path (for forgetting it)
+        # the backing files readers hold open, by identity key (set by the mount)
+        self.find_open: Callable[[str], BackingFile | None] | None = None
         self._bad_keys: set[str] = set()
         self._kick = trio.Event()
         self._progress = trio.Event()
@@ -626,10 +639,50 @@ class HintService:
             self._bad_keys.clear()
         self._bad_keys.add(key)
 
+    def held_at(self, rel: bytes) -> BackingFile | None:
+        """The backing file a prefetch holds open at path ``rel`` (as it was when opened: the
+        caller checks the identity), or None."""
+        key = self._key_at.get(rel)
+        return self.open_file(key) if key is not None else None
+
+    def _hold(self, rel: bytes, f: BackingFile) -> None:
+        self._files[f.key] = f
+        self._key_at[rel] = f.key
+        self._path_of[f.key] = rel
+
+    def _drop(self, f: BackingFile) -> None:
+        """Release a file the prefetcher held (and forget where it was)."""
+        rel = self._path_of.pop(f.key, None)
+        if rel is not None and self._key_at.get(rel) == f.key:
+            del self._key_at[rel]
+        f.release()
+
+    def open_file(self, key: str) -> BackingFile | None:
+        """The backing file of identity ``key`` if a prefetch holds it open now (an open of
+        the same file shares it instead of opening it again)."""
+        f = self._files.get(key)
+        if f is None:
+            f = self._handoff[key][1] if key in self._handoff else None
+        return f if f is not None and f.fd >= 0 else None
+
     async def _file(self, pf: PlannedFile) -> BackingFile | None:
         f = self._files.get(pf.key)
         if f is not None and f.fd >= 0:
             return f
+        if pf.key in self._handoff:
+            f = self._handoff.pop(pf.key)[1]
+            if f.fd >= 0:
+                self._files[pf.key] = f
+                return f
+            self._drop(f)
+        await self.openings.wait(pf.path)  # a reader opening it: share what it opens
+        if self.find_open is not None:  # a reader has it open: share its descriptor
+            f = self.find_open(pf.key)
+            if f is not None and f.fd >= 0 and not f.stale:
+                f.acquire()
+                self._hold(pf.path, f)
+                return f
+        opening = self.openings.begin(pf.path)
         try:
             fd, st = await self.meta.run(_open_regular, self.tree, pf.path)
         except OSError as e:
@@ -637,6 +690,8 @@ class HintService:
                      e.strerror)
             self._bad(pf.key)
             return None
+        finally:
+            self.openings.end(pf.path, opening)
         identity = Identity.of(key_path(self.tree.root, pf.path), st)
         if identity.key != pf.key:
             os.close(fd)
@@ -645,18 +700,37 @@ class HintService:
             return None
         f = BackingFile(identity, fd)
         f.acquire()
-        self._files[pf.key] = f
+        self._hold(pf.path, f)
         return f
 
     def _close_idle_files(self) -> None:
+        """Files no queued chunk needs any more are not closed at once: the reader the prefetch
+        was for opens them soon, and shares the descriptor (one open(2) per file, not two).
+        They wait in a handoff list of at most ``HANDOFF_MAX`` files for ``HANDOFF_S``; one a
+        reader has opened leaves it (the reader's reference keeps it open)."""
         busy = {cid[0] for cid in self._queued}
+        now = trio.current_time()
         for key in [k for k in self._files if k not in busy]:
-            self._files.pop(key).release()
+            f = self._files.pop(key)
+            old = self._handoff.pop(key, None)
+            if old is not None and old[1] is not f:
+                old[1].release()  # (same key: the index stays with f)
+            self._handoff[key] = (now, f)
+        for key in list(self._handoff):
+            t, f = self._handoff[key]
+            if f.opens > 0 or f.fd < 0 or now - t > HANDOFF_S or len(self._handoff) > HANDOFF_MAX:
+                del self._handoff[key]
+                self._drop(f)
 
     def close(self) -> None:
         for f in self._files.values():
             f.release()
         self._files.clear()
+        for _, f in self._handoff.values():
+            f.release()
+        self._handoff.clear()
+        self._key_at.clear()
+        self._path_of.clear()
         if self._own_tree:
             self.tree.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import trio
 import xxhash
 
 
@@ -82,3 +83,27 @@ class BackingFile:
         if self.refs <= 0 and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class Openings:
+    """Opens of backing files under way, by path relative to the root. A reader's open and a
+    prefetch's open of the same file often come within a millisecond of each other; the
+    second waits for the first (:meth:`wait`) and then shares its descriptor instead of
+    opening the file again."""
+
+    def __init__(self) -> None:
+        self._by_path: dict[bytes, trio.Event] = {}
+
+    async def wait(self, rel: bytes) -> None:
+        """Return once no open of ``rel`` is under way."""
+        while (ev := self._by_path.get(rel)) is not None:
+            await ev.wait()
+
+    def begin(self, rel: bytes) -> trio.Event:
+        ev = self._by_path[rel] = trio.Event()
+        return ev
+
+    def end(self, rel: bytes, ev: trio.Event) -> None:
+        if self._by_path.get(rel) is ev:
+            del self._by_path[rel]
+        ev.set()
