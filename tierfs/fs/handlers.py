@@ -136,6 +136,9 @@ class Handlers:
         self.nursery = nursery
         self.on_open_read = on_open_read
         self.on_read_end = on_read_end
+        # set by a transport that passes writes through to the kernel (native + passthrough):
+        # close(2) must then reach the daemon, which alone can tell the writer ENOSPC
+        self.flush_at_close = False
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -497,11 +500,20 @@ class Handlers:
         return df
 
     async def flush(self, fh: int) -> None:
-        """Nothing to do at close(2) (a dirty file's work is at release, passthrough writes
-        taken in included): ENOSYS, which the kernel takes as success and remembers, sending no
-        FLUSH again for the mount's life (``fc->no_flush``; one round trip less per close)."""
-        self.requests["flush"] += 1
-        raise FuseError(errno.ENOSYS)
+        """close(2). Without passthrough writes (:attr:`flush_at_close` false) there is nothing
+        to do (a dirty file's work is at release): ENOSYS, which the kernel takes as success
+        and remembers, sending no FLUSH again for the mount's life (``fc->no_flush``; one
+        round trip less per close). With them, a handle that wrote through the kernel has its
+        writes taken in here, so the writer's close answers ENOSPC when the backing store
+        cannot take what the file grew by (docs/writes.md), as a daemon-served write does.
+        Raises FuseError (ENOSYS; ENOSPC)."""
+        if not self.flush_at_close:
+            self.requests["flush"] += 1
+            raise FuseError(errno.ENOSYS)
+        with self._op("flush"):
+            h = self.handles.get(fh)
+            if isinstance(h, FileHandle):
+                await self._after_passthrough(h)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         with self._op("fsync"):

@@ -315,6 +315,7 @@ class NativeSession:
             max_pages=MAX_PAGES, max_stack_depth=1 if pt else 0)))
         if pt:
             self.pt = Passthrough(self.fd)
+            self.h.flush_at_close = True  # a passthrough writer is told ENOSPC at close
         self.init_result = InitResult(a["minor"], offered, granted, pt)
         return self.init_result
 
