@@ -440,7 +440,7 @@ def test_dead_daemon_is_an_oserror(tiermount, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_hundred_thousand_paths(tiermount, tmp_path: Path) -> None:
+def test_hundred_thousand_paths(tiermount, tmp_path: Path, scale_loop_bound: int) -> None:
     """need() and epoch() of 100 000 paths (200 real files, each named 500 times) work: one
     request each (the daemon's count of control requests); ``bytes`` counts each file once.
     100 000 names that do not exist raise FileNotFoundError listing them all in ``.missing``

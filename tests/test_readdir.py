@@ -132,7 +132,8 @@ def test_rewind_lists_again_and_seek_back_rereads(tmp_path: Path) -> None:
 @needs_fuse
 @pytest.mark.fuse
 @pytest.mark.slow
-def test_hundred_thousand_entries_list_whole_with_bounded_memory(tiermount, tmp_path: Path) -> None:
+def test_hundred_thousand_entries_list_whole_with_bounded_memory(tiermount, tmp_path: Path,
+                                                                  scale_loop_bound: int) -> None:
     d = tmp_path / "back" / "big"
     d.mkdir(parents=True)
     n = 100_000

@@ -219,7 +219,7 @@ def test_oversized_request_line(attacker: User, secmount, tree: Path) -> None:
     assert os.stat(m.mnt).st_mode  # still serving
 
 
-def test_million_item_need(attacker: User, secmount, tree: Path) -> None:
+def test_million_item_need(attacker: User, secmount, tree: Path, scale_loop_bound: int) -> None:
     """A 1M-item ``need`` is answered with an error naming the item cap, and nothing is
     registered. The latency of a stat loop running meanwhile is printed (not asserted: no test
     asserts on wall-clock speed)."""
