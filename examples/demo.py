@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot unmount {MNT}; try: umount -l {MNT}", file=sys.stderr)
             return 1
     MNT.mkdir(parents=True, exist_ok=True)
-    SSD.mkdir(parents=True, exist_ok=True)
+    # a tier directory must be private: tierfs refuses one other users can reach
+    SSD.mkdir(mode=0o700, parents=True, exist_ok=True)
+    SSD.chmod(0o700)
     mount = [py, "-m", "tierfs", "mount", str(BACKING), str(MNT), "--ram", args.ram,
              "--ssd", f"{SSD}:{args.ssd_size}", "--chunk-size", args.chunk_size]
     mounted = False
