@@ -346,8 +346,11 @@ class WriteBack:
         # fgetxattr: microseconds, no data) and the creation of its data file go the same way:
         # in threads they cost a hand-off each, and tar -x makes ~7 per file (the kernel asks
         # security.capability before every write; tar sets owner, mode and times): 2.4 ms per
-        # file in 1,000 files of tar -x with every one in a thread (load ~4).
-        self.attr_device = self.data_device
+        # file in 1,000 files of tar -x with every one in a thread (load ~4); inline they made
+        # 1.7 ms. But one inline fgetxattr on a data file held the event loop 102 ms in a full
+        # test run (the write tier on the VM's disk, busy with write-back fsyncs), over the
+        # loop's bound: they stay in threads until that is understood.
+        self.attr_device = self.device
         self.sched = scheduler
         self.journal = journal
         self.make_room = make_room
