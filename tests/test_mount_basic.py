@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, drop_page_cache, is_mounted, needs_fuse, tierfs_cmd, write_random
+from tests.conftest import (
+    CURRENT,
+    REPO,
+    drop_page_cache,
+    is_mounted,
+    needs_fuse,
+    tierfs_cmd,
+    write_random,
+)
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 MiB = 1 << 20
@@ -263,7 +271,8 @@ def test_kernel_caches_names_and_answers_close_itself(tiermount, tmp_path: Path)
     after = _requests(m)["requests"]
     assert after.get("lookup", 0) - before.get("lookup", 0) == 0
     assert after.get("open", 0) - before.get("open", 0) >= 40  # and the stats.json read
-    assert after.get("flush", 0) <= 1
+    if CURRENT["transport"] == "pyfuse3":  # native with passthrough writes answers FLUSH
+        assert after.get("flush", 0) <= 1
 
 
 def test_backing_change_seen_at_next_open_while_names_are_cached(tiermount, tmp_path: Path) -> None:
