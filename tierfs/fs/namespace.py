@@ -584,6 +584,11 @@ class Namespace:
             fd, st = await self.meta.run(open_backing, self.tree, rel)
         finally:
             self.openings.end(rel, opening)
+        return self._share_open(rel, st, fd)
+
+    def _share_open(self, rel: bytes, st: os.stat_result, fd: int) -> BackingFile:
+        """The open backing file of ``rel`` with identity ``st``: the one already in the table
+        (``fd`` closed), else a new one holding ``fd``; one open counted."""
         identity = Identity.of(key_path(self.tree.root, rel), st)
         bf = self.open_files.get(identity.key)
         if bf is None or bf.fd < 0:
@@ -648,16 +653,7 @@ class Namespace:
         if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
             os.close(fd)  # replaced already: nothing left to keep
             return
-        identity = Identity.of(key_path(self.tree.root, rel), got)
-        bf = self.open_files.get(identity.key)
-        if bf is None or bf.fd < 0:
-            bf = BackingFile(identity, fd)
-            self.open_files[identity.key] = bf
-        else:
-            os.close(fd)
-        bf.acquire()
-        bf.opens += 1
-        entry.orphan = bf
+        entry.orphan = self._share_open(rel, got, fd)
         entry.kept = False
 
     # -- callbacks (inode table, write-back) ---------------------------------------------------
