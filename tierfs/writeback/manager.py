@@ -82,6 +82,7 @@ from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests pa
     lock_backing,
 )
 from tierfs.writeback.journal import Journal, JState
+from tierfs.writeback.ready import READY_FIELDS, DirtyTable, ReadyIndex
 from tierfs.writeback.state import DirtyState, check_move
 
 log = logging.getLogger("tierfs.writeback")
@@ -134,7 +135,8 @@ class DirtyFile:
     accounted: int = 0  # bytes charged to the write tier
     error: str | None = None
     retry_at: float = 0.0
-    waiters: list[tuple[int, trio.Event]] = field(default_factory=list)
+    # (a tuple: changed only by assignment, which the write-back index hears of)
+    waiters: tuple[tuple[int, trio.Event], ...] = ()
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     pins: int = 0  # operations using ``fd`` across an await; it is closed only at zero
     keep: int = 0  # kernel inodes that may still open it after an unlink (see Operations._preserve)
@@ -156,6 +158,21 @@ class DirtyFile:
     lease_writers: int = 0
     pt_written: bool = False
     pt_seen: tuple[int, int, int] | None = None
+    # The write-back index (tierfs.writeback.ready): the ReadyIndex of the table holding this
+    # file, its place in that table's order, the version of its entry, and whether it has one
+    _ready_ix: ReadyIndex | None = field(default=None, init=False, repr=False)
+    _ready_order: int = field(default=0, init=False, repr=False)
+    _ready_ver: int = field(default=0, init=False, repr=False)
+    _ready_in: bool = field(default=False, init=False, repr=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Every change that can make the file ready for write-back, or not, reaches the index
+        # here: one assignment of a field the choice reads (READY_FIELDS), wherever it is made.
+        object.__setattr__(self, name, value)
+        if name in READY_FIELDS:
+            ix = self.__dict__.get("_ready_ix")
+            if ix is not None:
+                ix.update(self)
 
     def advance(self, new: DirtyState) -> None:
         """Move to ``new``; raises IllegalTransition for a move the state diagram lacks."""
@@ -362,7 +379,7 @@ class WriteBack:
         self.dirty_fd = private.subdir(tier.dir_fd, "dirty", os.path.join(tier.path, "dirty"))
         self.dirty_dir = private.fd_path(self.dirty_fd)
         self.quarantine_dir = os.path.join(tier.path, "quarantine")
-        self.files: dict[int, DirtyFile] = {}
+        self.files = DirtyTable()  # by id; with the index of files ready for write-back
         self._user_files: Counter[int] = Counter()  # dirty files per owner (register/_unregister)
         self.by_path: dict[bytes, DirtyFile] = {}
         self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
@@ -1160,7 +1177,8 @@ class WriteBack:
                 ev.set()
             else:
                 keep.append((want, ev))
-        df.waiters = keep
+        if len(keep) != len(df.waiters):
+            df.waiters = tuple(keep)
 
     async def wait_durable(self, files: list[DirtyFile] | None, timeout: float) -> list[str]:  # noqa: ASYNC109
         """Wait until the given (or all) dirty files, as they are now, are on the backing
@@ -1176,7 +1194,7 @@ class WriteBack:
             if df.path is None or df.durable_gen >= df.gen or df.state is DirtyState.CLEAN:
                 continue
             ev = trio.Event()
-            df.waiters.append((df.gen, ev))
+            df.waiters = (*df.waiters, (df.gen, ev))
             df.deadline = min(df.deadline, now)  # someone waits: due now
             df.retry_at = 0.0
             events.append(ev)

@@ -38,14 +38,9 @@ if TYPE_CHECKING:
 
 def next_job(wb: WriteBack) -> DirtyFile | None:
     """The file to write back next: the earliest deadline among those whose writers closed (or
-    that someone waits for), with no operation in flight and not retrying a failure yet."""
-    now = trio.current_time()
-    ready = [df for df in wb.files.values()
-             if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-             and df.retry_at <= now and df.inflight == 0 and df.excl is None
-             and (df.writers == 0 or df.waiters)
-             and (df.durable_gen < df.gen or df.writers == 0)]
-    return min(ready, key=lambda d: d.deadline) if ready else None
+    that someone waits for), with no operation in flight and not retrying a failure yet
+    (:mod:`tierfs.writeback.ready`: an index, not a scan of every dirty file)."""
+    return wb.files.ready.first(trio.current_time())
 
 
 async def run(wb: WriteBack, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]

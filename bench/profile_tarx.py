@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Where ``tar -x`` of small files into a tierfs mount spends its time: the requests each file
+costs, the daemon's mean time inside each kind of handler, and (``--profile``) a cProfile of the
+daemon's whole run (the trio loop's thread; worker threads are not profiled).
+
+One fresh tmpfs backing directory, one mount (``--ram 2GiB`` plus ``--tierfs-arg``s), one tar of
+``--files`` files of 1-16 KiB in 100 directories (the tar phase of bench_smallfiles.py), then
+``tierfs flush`` (the write-backs still due). Needs root (mounts). From the repository root:
+
+    sudo .venv/bin/python bench/profile_tarx.py --files 2000
+    sudo .venv/bin/python bench/profile_tarx.py --files 2000 --profile /tmp/tarx.pstats
+    sudo .venv/bin/python bench/profile_tarx.py --files 2000 --tierfs-arg=--transport --tierfs-arg=pyfuse3
+
+cProfile slows the daemon about twofold: read its figures as shares, not times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_smallfiles import REPO, KiB, is_mounted, log, make_tree, unmount  # noqa: E402
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads((mnt / ".tierfs" / "stats.json").read_text())
+
+
+def _wait_mounted(mnt: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:  # type: ignore[type-arg]
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited ({proc.returncode})")
+        if is_mounted(mnt):
+            try:
+                _stats(mnt)
+                return
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.1)
+    raise RuntimeError("the mount did not come up")
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="profile-tarx-", dir="/dev/shm"))
+    back, src, mnt = work / "back", work / "src", Path(tempfile.mkdtemp(prefix="profile-tarx-mnt-"))
+    back.mkdir()
+    src.mkdir()
+    proc = None
+    out: dict = {"loadavg_start": open("/proc/loadavg").read().strip(), "files": args.files}
+    try:
+        log(f"making a tar of {args.files} files")
+        make_tree(src / "tar", args.files, 100, 1 * KiB, 16 * KiB, 6)
+        tarpath = work / "shard.tar"
+        with tarfile.open(tarpath, "w") as tf:
+            tf.add(src / "tar", arcname="shard")
+        prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        cmd = [sys.executable, *prof, "-m", "tierfs", "mount", str(back), str(mnt), "--foreground",
+               "--ram", args.ram, *args.extra]
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_mounted(mnt, proc)
+        (mnt / "tarx").mkdir()
+        before = _stats(mnt)
+        t = time.perf_counter()
+        subprocess.run(["tar", "-xf", str(tarpath), "-C", str(mnt / "tarx")], check=True)
+        out["tar_s"] = time.perf_counter() - t
+        after = _stats(mnt)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "tierfs", "flush", str(mnt), "--timeout", "900"], cwd=REPO,
+                       capture_output=True, timeout=1000, check=True)
+        out["flush_s"] = time.perf_counter() - t
+        tr = after.get("transport") or {}
+        out["transport"] = f"{tr.get('name', 'pyfuse3')}{' + passthrough' if tr.get('passthrough') else ''}"
+        out["writeback_passthrough_opens"] = after.get("writeback", {}).get("passthrough_opens")
+        fb, fa = before["fuse"], after["fuse"]
+        per: dict[str, dict[str, float]] = {}
+        for op, k in fa["requests"].items():
+            dn = k - fb["requests"].get(op, 0)
+            if dn:
+                dt = fa.get("request_seconds", {}).get(op, 0.0) - fb.get("request_seconds", {}).get(op, 0.0)
+                per[op] = {"per_file": dn / args.files, "handler_us": dt / dn * 1e6}
+        out["requests"] = per
+        out["requests_per_file"] = sum(v["per_file"] for v in per.values())
+        out["writeback_after_tar"] = after.get("writeback", {}).get("dirty_files")
+    finally:
+        if proc is not None:
+            if is_mounted(mnt):
+                subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
+                               capture_output=True, timeout=600)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        unmount(mnt)
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            mnt.rmdir()
+        except OSError:
+            pass
+    out["loadavg_end"] = open("/proc/loadavg").read().strip()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", type=int, default=2000)
+    p.add_argument("--ram", default="2GiB")
+    p.add_argument("--profile", default="", help="write the daemon's cProfile here and print its top")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--tierfs-arg", action="append", default=[], dest="extra",
+                   help="extra argument for tierfs mount (repeatable)")
+    args = p.parse_args(argv)
+    res = run(args)
+    print(json.dumps(res, indent=1))
+    if args.profile and os.path.exists(args.profile):
+        st = pstats.Stats(args.profile)
+        st.sort_stats("tottime").print_stats(args.top)
+        st.sort_stats("cumulative").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
