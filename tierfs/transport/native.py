@@ -154,12 +154,6 @@ class Passthrough:
             io = self.inodes[inode] = _InodeIO()
         return io
 
-    def writer_conflict(self, inode: int, flags: int) -> bool:
-        """An open for writing of an inode whose passthrough opens read a clean file's tier copy:
-        it cannot be served (the kernel would pass it through to the cache's copy)."""
-        io = self.inodes.get(inode)
-        return bool(io and io.pt and io.kind == "tier" and flags & _WRITE_FLAGS)
-
     def register(self, inode: int, fd: int, kind: str) -> int | None:
         """The backing id for an open of ``inode`` whose bytes are in ``fd``: the inode's own if
         it has one for the same file, a new one if it has none; None on a conflict (another
@@ -531,9 +525,6 @@ class NativeSession:
 
     async def op_open(self, req: c.Request) -> bytes:
         flags = req.args["flags"]
-        if self.pt is not None and self.pt.writer_conflict(req.nodeid, flags):
-            self.pt.stats.conflicts += 1
-            raise FuseError(errno.ETXTBSY)
         r = await self.h.open(req.nodeid, flags, self.ctx(req))
         return await self._reply_or_release(req.nodeid, flags, r, bool(flags & _WRITE_FLAGS))
 
