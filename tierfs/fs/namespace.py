@@ -255,7 +255,10 @@ class Namespace:
         df = self.wb.get(path)
         if df is not None:
             entry = self.inodes.remember_dirty(path, df)
-            return await self.dirty_attrs(entry, df)
+            # counted: an interrupt must not cancel the reply that tells the kernel so (the
+            # lookup would never be forgotten); a data file's fstat is short
+            with trio.CancelScope(shield=True):
+                return await self.dirty_attrs(entry, df)
         st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
         if stat.S_ISREG(st.st_mode):
@@ -266,7 +269,8 @@ class Namespace:
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
         if entry.dirty is not None:  # another hard link of a file being written
-            return await self.dirty_attrs(entry, entry.dirty)
+            with trio.CancelScope(shield=True):  # counted (above)
+                return await self.dirty_attrs(entry, entry.dirty)
         return self.clean_attrs(entry, st)
 
     async def lookup(self, parent_inode: int, name: bytes) -> Attr:
