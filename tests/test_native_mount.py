@@ -389,3 +389,55 @@ def test_passthrough_writes_only_leaves_resident_reads_to_the_daemon(tiermount, 
     (m.mnt / "ck").write_bytes(b"x" * MiB)  # a written file still passes through
     t = m.stats()["transport"]
     assert t["passthrough_opens_by_tier"] == {"ram": 1} and "written files only" in t["why"]
+
+
+LMDB_HOLD_READER = """
+import lmdb, sys
+env = lmdb.open(sys.argv[1], readonly=True, lock=True, subdir=True)
+with env.begin() as txn:  # holds its read transaction (and data.mdb open) while the writer runs
+    n = sum(1 for _ in txn.cursor())
+print(n, flush=True)
+sys.stdin.readline()
+with env.begin() as txn:
+    print(txn.get(b"new").decode(), sum(1 for _ in txn.cursor()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("writemap", [False, True], ids=["pwrite", "writemap"])
+def test_lmdb_writer_beside_readers_of_a_resident_database(nm: Mount, writemap: bool) -> None:
+    """A clean lmdb database wholly in the RAM tier: a reader process passes through to the
+    tier copy; a writer (pwrite, or a shared writable mapping) opens it beside the reader and
+    writes the tier copy in place; the reader sees the commit, and the database is written back."""
+    lmdb = pytest.importorskip("lmdb")
+    db = nm.backing / "db"
+    env = lmdb.open(str(db), map_size=16 * MiB)
+    with env.begin(write=True) as txn:
+        for i in range(500):
+            txn.put(b"%06d" % i, bytes([i % 251]) * 1000)
+    env.close()
+    make_resident(nm, "db/data.mdb", (db / "data.mdb").stat().st_size)
+    reader = subprocess.Popen([sys.executable, "-c", LMDB_HOLD_READER, str(nm.mnt / "db")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "500"
+        env = lmdb.open(str(nm.mnt / "db"), map_size=16 * MiB, writemap=writemap)
+        with env.begin(write=True) as txn:
+            txn.put(b"new", b"value")
+        env.sync(True)
+        env.close()
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().split() == ["value", "501"]
+    finally:
+        reader.kill()
+        reader.wait()
+    s = nm.stats()
+    assert s["transport"]["passthrough_conflicts"] == 0 and s["writeback"]["in_place_opens"] >= 1
+    tierfs_cmd("flush", str(nm.mnt))
+    env = lmdb.open(str(db), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            assert txn.get(b"new") == b"value" and txn.stat()["entries"] == 501
+    finally:
+        env.close()

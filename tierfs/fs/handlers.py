@@ -373,9 +373,11 @@ class Handlers:
         with self._op("setattr"):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
-            if attr.size is not None:
+            a = await self.ns.setattr(inode, attr)
+            if attr.size is not None and inode in self.tier_passthrough:
                 await self._truncate_tier_copy(inode, attr.size)
-            return await self.ns.setattr(inode, attr)
+                a = self.ns.in_place_attrs(a)
+            return a
 
     async def _truncate_tier_copy(self, inode: int, size: int) -> None:
         """A truncate of an inode whose opens pass through to its tier copy reaches that
@@ -401,10 +403,10 @@ class Handlers:
             if not writer and self.on_open_read is not None:
                 self.on_open_read(ctx.pid, entry.path)
             if flags & os.O_TRUNC:
-                await self._truncate_tier_copy(inode, 0)
                 made = await self.ns.make_dirty(entry, truncate=True)
                 if made.size:
                     await self.wb.truncate(made, 0)
+                await self._truncate_tier_copy(inode, 0)
             # Opened for writing but not truncated: the file becomes dirty at its first write,
             # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
             # too: an eager copy-up copied and wrote back whole files nobody changed.

@@ -164,13 +164,19 @@ class Namespace:
         timeout = self.attr_timeout
         if (st.st_nlink if nlink is None else nlink) > 1 and not stat.S_ISDIR(st.st_mode):
             timeout = 0.0
-        in_place = self.written_in_place.get(inode)
-        if in_place is None:
+        if inode not in self.written_in_place:
             return Attr.of(inode, st, nlink=nlink, entry_timeout=timeout, attr_timeout=timeout)
-        # Open for writing in place through passthrough: the kernel's writes go to this tier
-        # file, whose size and times are the file's once they changed, until it is taken in
-        # (an answer with the older size would cut the kernel's own size of the inode).
-        a = Attr.of(inode, st, nlink=nlink, entry_timeout=0.0, attr_timeout=0.0)
+        return self.in_place_attrs(Attr.of(inode, st, nlink=nlink))
+
+    def in_place_attrs(self, a: Attr) -> Attr:
+        """``a`` for an inode opened for writing in place through passthrough: the kernel's
+        writes go to its tier file, whose size and times are the file's once they changed,
+        until it is taken in (an answer with the older size would cut the kernel's own size of
+        the inode); not cached by the kernel meanwhile."""
+        in_place = self.written_in_place.get(a.st_ino)
+        if in_place is None:
+            return a
+        a.entry_timeout = a.attr_timeout = 0.0
         fd, seen = in_place
         t = os.fstat(fd)  # an open descriptor: no I/O
         if (t.st_size, t.st_mtime_ns, t.st_ctime_ns) != seen:
