@@ -163,28 +163,129 @@ def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
 
 
-def test_np_load_r_plus_of_a_resident_file_is_refused_with_passthrough_on(nm: Mount) -> None:
-    """The documented cost of passthrough = on: np.load(mmap_mode='r+') holds a read-only open
-    (passed through to the tier copy) while it opens the file for writing."""
+def wb_stats(m: Mount) -> dict:
+    return m.stats()["writeback"]
+
+
+def test_np_load_r_plus_of_a_resident_file_writes_in_place(nm: Mount) -> None:
+    """np.load(mmap_mode='r+') holds a read-only open (passed through to the tier copy) while
+    it opens the file for writing: the kernel wants one backing file per inode, so the writer
+    passes through to the same tier copy and its writes are taken in at close."""
     np = pytest.importorskip("numpy")
     np.save(nm.backing / "r.npy", np.zeros(MiB, dtype=np.int32))
     make_resident(nm, "r.npy", (nm.backing / "r.npy").stat().st_size)
-    with pytest.raises(OSError) as ei:
-        np.load(nm.mnt / "r.npy", mmap_mode="r+")
-    assert ei.value.errno == errno.ETXTBSY
+    mm = np.load(nm.mnt / "r.npy", mmap_mode="r+")
+    mm[::4096] = 7
+    mm.flush()
+    del mm
+    want = np.zeros(MiB, dtype=np.int32)
+    want[::4096] = 7
+    assert (np.load(nm.mnt / "r.npy") == want).all()
+    s = nm.stats()
+    assert s["transport"]["passthrough_conflicts"] == 0
+    assert s["writeback"]["in_place_opens"] >= 1 and s["writeback"]["in_place_takes"] >= 1
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (np.load(nm.backing / "r.npy") == want).all(), "write-back of r.npy")
 
 
-def test_writer_of_a_file_read_through_its_tier_copy_is_refused_not_corrupting(nm: Mount) -> None:
+def test_writer_beside_tier_copy_readers_writes_in_place(nm: Mount) -> None:
     data = write_random(nm.backing / "ro", MiB)
     make_resident(nm, "ro", len(data))
+    extra = os.urandom(100_000)
     with open(nm.mnt / "ro", "rb") as r:
-        with pytest.raises(OSError) as ei:
-            open(nm.mnt / "ro", "r+b")
-        assert ei.value.errno == errno.ETXTBSY
-        assert r.read() == data
-    with open(nm.mnt / "ro", "r+b") as w:  # no passthrough reader left: served by the daemon
-        w.write(b"new")
-    assert (nm.mnt / "ro").read_bytes()[:3] == b"new"
+        with open(nm.mnt / "ro", "r+b") as w:
+            w.write(b"new")
+            w.seek(len(data))
+            w.write(extra)  # past the end: the file grows
+            w.flush()
+            r.seek(0)
+            assert r.read(3) == b"new"  # the reader sees the writer's bytes at once
+            out = subprocess.run([sys.executable, "-c", f"import os; print(os.stat({str(nm.mnt / 'ro')!r}).st_size)"],
+                                 capture_output=True, text=True, check=True)
+            assert int(out.stdout) == len(data) + len(extra)  # size right for every process
+        want = b"new" + data[3:] + extra
+        r.seek(0)
+        assert r.read() == want
+        assert (nm.mnt / "ro").read_bytes() == want  # another open, while the reader holds it
+    assert (nm.mnt / "ro").read_bytes() == want  # after: from the dirty copy
+    assert nm.stats()["transport"]["passthrough_conflicts"] == 0
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (nm.backing / "ro").read_bytes() == want, "write-back of ro")
+    assert (nm.mnt / "ro").read_bytes() == want
+
+
+def test_truncating_open_beside_tier_copy_readers(nm: Mount) -> None:
+    data = write_random(nm.backing / "t", MiB)
+    make_resident(nm, "t", len(data))
+    with open(nm.mnt / "t", "rb") as r:
+        with open(nm.mnt / "t", "wb") as w:  # O_TRUNC: the readers' copy is truncated too
+            w.write(b"short")
+        r.seek(0)
+        assert r.read() == b"short"
+        assert os.stat(nm.mnt / "t").st_size == 5
+    assert (nm.mnt / "t").read_bytes() == b"short"
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (nm.backing / "t").read_bytes() == b"short", "write-back of t")
+
+
+def test_truncate_by_path_beside_tier_copy_readers(nm: Mount) -> None:
+    data = write_random(nm.backing / "p", MiB)
+    make_resident(nm, "p", len(data))
+    with open(nm.mnt / "p", "rb") as r:
+        os.truncate(nm.mnt / "p", 1000)
+        r.seek(0)
+        assert r.read() == data[:1000]
+    assert (nm.mnt / "p").read_bytes() == data[:1000]
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (nm.backing / "p").read_bytes() == data[:1000], "write-back of p")
+
+
+def test_writer_that_writes_nothing_beside_readers_copies_nothing(nm: Mount) -> None:
+    """sqlite and np.memmap open O_RDWR to read: no dirty copy, no write-back."""
+    data = write_random(nm.backing / "n", MiB)
+    mtime = (nm.backing / "n").stat().st_mtime_ns
+    make_resident(nm, "n", len(data))
+    time.sleep(0.15)  # the tier file's times are then older than a timestamp tick
+    with open(nm.mnt / "n", "rb") as r, open(nm.mnt / "n", "r+b") as w:
+        assert w.read(10) == data[:10] and r.read(10) == data[:10]
+    s = wb_stats(nm)
+    assert s["in_place_opens"] == 1 and s["in_place_takes"] == 0
+    tierfs_cmd("flush", str(nm.mnt))
+    assert (nm.backing / "n").stat().st_mtime_ns == mtime
+    assert (nm.mnt / "n").stat().st_mtime_ns == mtime
+
+
+def test_kill9_while_writing_in_place_serves_the_backing_bytes_after(tiermount, transport: str) -> None:
+    """A crash while a writer writes a tier copy in place (not closed: nothing promised) must
+    not leave the cache serving those bytes as the backing file's: the SSD tier's chunks are
+    checked against their checksums when first read after a restart."""
+    m = tiermount(ram="0", ssd="64MiB", extra=("--transport", "native", "-o", "passthrough=on"))
+    needs_passthrough(m)
+    data = write_random(m.backing / "s", 2 * MiB)
+    end = time.monotonic() + 30
+    while True:
+        (m.mnt / "s").read_bytes()
+        r = tierfs_cmd("where", str(m.mnt / "s"), "--json")
+        if json.loads(r.stdout)[0]["resident_bytes"].get("ssd", 0) == len(data):
+            break
+        assert time.monotonic() < end, "s not wholly resident in the SSD tier"
+    time.sleep(2.5)  # the SSD catalog is written every 2 s (Cache.run_flusher): it records the chunks
+    r = open(m.mnt / "s", "rb")
+    w = open(m.mnt / "s", "r+b")
+    try:
+        assert m.stats()["writeback"]["in_place_opens"] == 1
+        w.write(b"X" * 4096)
+        w.flush()
+        m.kill9()
+    finally:
+        for f in (r, w):
+            try:
+                f.close()
+            except OSError:
+                pass
+    m.start()
+    assert (m.mnt / "s").read_bytes() == data
+    assert m.stats()["cache"]["checksum_failures"] >= 1  # the restored chunk was refused
 
 
 def test_unknown_opcode_is_enosys_and_the_daemon_lives(nm: Mount) -> None:
@@ -277,7 +378,7 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
 
 
 def test_passthrough_writes_only_leaves_resident_reads_to_the_daemon(tiermount, transport: str) -> None:
-    m = tiermount(ram="64MiB", extra=("--transport", "native"))  # the default: passthrough = writes
+    m = tiermount(ram="64MiB", extra=("--transport", "native", "-o", "passthrough=writes"))
     needs_passthrough(m)
     data = write_random(m.backing / "ro", MiB)
     make_resident(m, "ro", len(data))
@@ -288,3 +389,55 @@ def test_passthrough_writes_only_leaves_resident_reads_to_the_daemon(tiermount, 
     (m.mnt / "ck").write_bytes(b"x" * MiB)  # a written file still passes through
     t = m.stats()["transport"]
     assert t["passthrough_opens_by_tier"] == {"ram": 1} and "written files only" in t["why"]
+
+
+LMDB_HOLD_READER = """
+import lmdb, sys
+env = lmdb.open(sys.argv[1], readonly=True, lock=True, subdir=True)
+with env.begin() as txn:  # holds its read transaction (and data.mdb open) while the writer runs
+    n = sum(1 for _ in txn.cursor())
+print(n, flush=True)
+sys.stdin.readline()
+with env.begin() as txn:
+    print(txn.get(b"new").decode(), sum(1 for _ in txn.cursor()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("writemap", [False, True], ids=["pwrite", "writemap"])
+def test_lmdb_writer_beside_readers_of_a_resident_database(nm: Mount, writemap: bool) -> None:
+    """A clean lmdb database wholly in the RAM tier: a reader process passes through to the
+    tier copy; a writer (pwrite, or a shared writable mapping) opens it beside the reader and
+    writes the tier copy in place; the reader sees the commit, and the database is written back."""
+    lmdb = pytest.importorskip("lmdb")
+    db = nm.backing / "db"
+    env = lmdb.open(str(db), map_size=16 * MiB)
+    with env.begin(write=True) as txn:
+        for i in range(500):
+            txn.put(b"%06d" % i, bytes([i % 251]) * 1000)
+    env.close()
+    make_resident(nm, "db/data.mdb", (db / "data.mdb").stat().st_size)
+    reader = subprocess.Popen([sys.executable, "-c", LMDB_HOLD_READER, str(nm.mnt / "db")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "500"
+        env = lmdb.open(str(nm.mnt / "db"), map_size=16 * MiB, writemap=writemap)
+        with env.begin(write=True) as txn:
+            txn.put(b"new", b"value")
+        env.sync(True)
+        env.close()
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().split() == ["value", "501"]
+    finally:
+        reader.kill()
+        reader.wait()
+    s = nm.stats()
+    assert s["transport"]["passthrough_conflicts"] == 0 and s["writeback"]["in_place_opens"] >= 1
+    tierfs_cmd("flush", str(nm.mnt))
+    env = lmdb.open(str(db), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            assert txn.get(b"new") == b"value" and txn.stat()["entries"] == 501
+    finally:
+        env.close()

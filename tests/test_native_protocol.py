@@ -171,6 +171,8 @@ class StubHandlers:
     async def lookup(self, parent, name, ctx=None):
         if name == b"bug":
             raise RuntimeError("a bug in a handler")
+        if name == b"found":  # counts a lookup of inode 9
+            return Attr(st_ino=9, st_mode=0o100644, st_nlink=1)
         raise FuseError(errno.ENOENT)
 
     async def forget(self, items):
@@ -353,3 +355,27 @@ def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
     s, stub = _run(script)
     assert stub.released == [77] and s.stale_replies == 1
 
+
+
+def test_a_lookup_whose_reply_the_kernel_did_not_take_is_forgotten(monkeypatch):
+    """An entry reply counts a lookup of its inode; if the kernel does not take it (the caller
+    was interrupted meanwhile), the kernel never sends the FORGET, so the daemon gives the
+    lookup back itself (or the inode would stay in its table for ever)."""
+    real = os.writev
+
+    def writev(fd, parts):
+        if c.OUT_HEADER.unpack_from(parts[0])[2] == 60:
+            raise OSError(errno.ENOENT, "No such file or directory")
+        return real(fd, parts)
+
+    monkeypatch.setattr(native.os, "writev", writev)
+
+    async def script(peer, stub):
+        await peer.reply()
+        await peer.send(req(c.LOOKUP, b"found\0", unique=60, nodeid=1))
+        await peer.send(req(c.LOOKUP, b"found\0", unique=61, nodeid=1))
+        assert (await peer.reply())[:2] == (61, 0)
+        await trio.testing.wait_all_tasks_blocked()
+
+    s, stub = _run(script)
+    assert stub.forgotten == [(9, 1)] and s.stale_replies == 1

@@ -274,8 +274,10 @@ def _table(doc: dict[str, Any]) -> None:
     if tr:
         line = f"transport [bold]{tr.get('name')}[/]{' + kernel passthrough' if tr.get('passthrough') else ''}: {tr.get('why', '')}"
         if tr.get("passthrough"):
+            wb_in_place = (doc.get("writeback") or {}).get("in_place_opens", 0)
             line += (f"; passthrough opens {tr.get('passthrough_opens', 0)} "
                      f"({format_size(tr.get('passthrough_bytes', 0))} made available), "
+                     f"written in place {wb_in_place}, "
                      f"refused for a mixed inode {tr.get('passthrough_conflicts', 0)}")
         if tr.get("name") == "native":
             line += (f"; requests {tr.get('requests', 0)}, interrupted {tr.get('interrupted', 0)}, "

@@ -185,12 +185,12 @@ OPTIONS: tuple[Option, ...] = (
            "written files, interrupts, 1 MiB requests; needs root), pyfuse3 (libfuse: unprivileged "
            "mounts, any kernel), or auto (native when the kernel offers passthrough and the daemon "
            "has CAP_SYS_ADMIN, else pyfuse3)"),
-    Option("passthrough", _choice("on", "writes", "off"), "writes", "native transport: which opens "
-           "the kernel serves straight from a tier file (passthrough). writes (the default): files "
-           "being written, in the write tier (checkpoints at the tier's speed); on: also files "
-           "wholly resident in one tier (reads and mmap at the tier's speed), but while such a "
-           "file is open for reading through passthrough, an open of it for writing fails with "
-           "ETXTBSY (np.load(mmap_mode='r+'), an lmdb writer beside its readers); off: none"),
+    Option("passthrough", _choice("on", "writes", "off"), "on", "native transport: which opens "
+           "the kernel serves straight from a tier file (passthrough). on (the default): files "
+           "wholly resident in one tier (reads and mmap at the tier's speed) and files being "
+           "written, in the write tier (checkpoints at the tier's speed); an open for writing of a "
+           "file whose readers read its tier copy writes that copy in place, taken in at fsync "
+           "and close; writes: written files only; off: none"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -235,7 +235,7 @@ class Config:
     writeback_deadline: float = 120.0
     fsync: str = "tier"
     transport: str = "auto"
-    passthrough: str = "writes"
+    passthrough: str = "on"
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

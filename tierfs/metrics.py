@@ -115,6 +115,9 @@ WRITEBACK: list[Spec] = [
     ("passthrough_changes", "writeback_passthrough_changes", C, "Times a data file was found written behind the daemon."),
     ("passthrough_overrun_bytes", "writeback_passthrough_overrun_bytes", C,
      "Bytes passthrough writers put past the write tier's capacity."),
+    ("in_place_opens", "writeback_in_place_opens", C,
+     "Opens for writing passed through to the tier copy its readers read (written in place)."),
+    ("in_place_takes", "writeback_in_place_takes", C, "Times in-place writes were taken in as a dirty copy."),
     ("leased_files", "writeback_leased_files", G, "Dirty files held by passthrough opens now."),
 ]
 DEVICE: list[Spec] = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -102,6 +102,10 @@ class _FilePin:
     tier: int
     size: int
     doomed: bool = False
+    # written in place: a writer opened the file while its readers read the tier file through
+    # passthrough, so the kernel passed the writer through to the same file (Handlers.lease).
+    # Its chunks no longer hold the backing file's bytes: dropped at the last release.
+    modified: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,7 +400,8 @@ class Cache:
                 return None
         return tier
 
-    async def lease_resident(self, f: BackingFile) -> Lease | None:
+    async def lease_resident(self, f: BackingFile,
+                             on_release: Callable[[], None] | None = None) -> Lease | None:
         """A read-only lease on the tier file holding all of ``f`` (for kernel passthrough of
         a read-only open), or None: the daemon serves the open as before.
 
@@ -407,7 +412,7 @@ class Cache:
         punch or removal of the tier file; capacity accounting is unchanged (the chunks stay
         counted where they are). All concurrent leases of a file share one descriptor (opened
         ``O_RDONLY | O_NOFOLLOW`` relative to the tier's verified directory), closed at the
-        last release.
+        last release. ``on_release()`` runs when this lease is released.
 
         Reads through the lease never reach the daemon: they count in the tier's
         ``passthrough_opens`` and ``passthrough_bytes`` (``f.size`` per lease), not in its
@@ -420,7 +425,7 @@ class Cache:
         if pin is not None:
             lkey = ("tier", self.tiers[pin.tier].name, f.key)
             lease = await self.leases.share(lkey, tier=self.tiers[pin.tier].name, size=f.size,
-                                            writable=False)
+                                            writable=False, on_release=on_release)
             if lease is not None:
                 self._count_lease(f, pin.tier)
                 return lease
@@ -430,7 +435,8 @@ class Cache:
         tier = self.tiers[t]
         lkey = ("tier", tier.name, f.key)
         if lkey in self.leases:  # another task is opening it (pinned already)
-            lease = await self.leases.share(lkey, tier=tier.name, size=f.size, writable=False)
+            lease = await self.leases.share(lkey, tier=tier.name, size=f.size, writable=False,
+                                            on_release=on_release)
             if lease is None:
                 return self._refuse()
             self._count_lease(f, t)
@@ -461,7 +467,43 @@ class Cache:
             return self._refuse()
         self._count_lease(f, t)
         return self.leases.finish(lkey, fd, tier=tier.name, size=f.size, writable=False,
-                                  on_last=partial(self._unpin, f.key))
+                                  on_last=partial(self._unpin, f.key), on_release=on_release)
+
+    def share_lease(self, lkey: Hashable, *, writable: bool,
+                    on_release: Callable[[], None] | None = None) -> Lease | None:
+        """One more lease on the tier file that lease key ``lkey`` (``("tier", tier, file
+        key)``, from :meth:`lease_resident`) holds now, whatever became of the file since (it
+        may be dirty, written in place, or changed on the backing store): for an open of an
+        inode whose other opens the kernel passes through to that tier file, which it must then
+        pass through to the same file (one backing file per inode). ``writable``: the open
+        writes (the file is then written in place: :meth:`mark_modified` first). None when no
+        lease of ``lkey`` is held any more."""
+        sh_lease = self.leases.share_now(lkey, tier=str(lkey[1]), size=0,  # type: ignore[index]
+                                         writable=writable, on_release=on_release)
+        if sh_lease is not None:
+            sh_lease.size = os.fstat(sh_lease.fd).st_size  # an open descriptor: no I/O
+            self.tiers[self._tier_index(sh_lease.tier)].passthrough_opens += 1
+        return sh_lease
+
+    def _tier_index(self, name: str) -> int:
+        return next(i for i, t in enumerate(self.tiers) if t.name == name)
+
+    def mark_modified(self, key: str) -> None:
+        """The tier file of leased file identity ``key`` is being written in place (see
+        :class:`_FilePin`): its chunks are dropped at the last release, never served again as
+        the backing file's bytes."""
+        pin = self._pinned.get(key)
+        if pin is not None:
+            pin.modified = True
+
+    async def truncate_leased(self, lkey: Hashable, size: int) -> None:
+        """Set the size of the leased tier file of ``lkey`` (a truncate of a file written in
+        place), in the tier's threads. Raises TierIOError."""
+        assert isinstance(lkey, tuple)
+        tier_name, key = str(lkey[1]), str(lkey[2])
+        t = self._tier_index(tier_name)
+        self.mark_modified(key)
+        await self.devices[t].run(self.tiers[t].truncate_file, key, size)
 
     def is_leased(self, key: str) -> bool:
         """A passthrough lease holds the tier file of file identity ``key`` now."""
@@ -502,7 +544,7 @@ class Cache:
         tier = self.tiers[pin.tier]
         tier.leased_files -= 1
         tier.leased_bytes -= pin.size
-        if pin.doomed:
+        if pin.doomed or pin.modified:
             self._spawn(self.drop_file, key)
 
     def _doom(self, key: str) -> bool:
@@ -1056,7 +1098,7 @@ class Cache:
         if self.staging_used != sum(len(s.data) for s in self.staging.values()):
             problems.append("staging accounting is off")
         for key, pin in self._pinned.items():
-            if pin.doomed:
+            if pin.doomed or pin.modified:
                 continue
             n = -(-pin.size // self.chunk_size)
             if any((e := self.catalog.get((key, i))) is None or e.tier != pin.tier for i in range(n)):

@@ -237,6 +237,15 @@ class Tier:
         except OSError:
             self.errors += 1
 
+    def truncate_file(self, key: str, size: int) -> None:
+        """Set the size of the tier file of ``key`` (a file written in place through
+        passthrough: :meth:`tierfs.cache.manager.Cache.truncate_leased`). Raises TierIOError."""
+        try:
+            with self._use(key, create=False) as fd:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            raise TierIOError(self.name, e) from e
+
     def open_readonly(self, key: str) -> int:
         """A new read-only descriptor of the tier file of ``key`` (for a passthrough lease),
         opened relative to the verified bucket directory with ``O_NOFOLLOW``: only a regular

@@ -21,8 +21,10 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -103,6 +105,32 @@ def logged_errors(what: str) -> Iterator[None]:
         log.exception("%s: unexpected error (ignored: the kernel takes no reply)", what)
 
 
+@dataclass(eq=False)
+class _TierPassthrough:
+    """An inode whose open handles the kernel passes through to one tier file (a clean
+    file's tier copy, leased from the cache): every further open of it, reader or writer,
+    must pass through to that same file while any remains open (the kernel wants one backing
+    file per inode; a writer then writes the tier file *in place*, taken in at its release).
+    ``handles``: handles holding a lease of it; ``written``: a writer shared it (or a truncate
+    reached it) since it was leased; ``fd``: the lease's descriptor (attributes)."""
+
+    lkey: Hashable
+    file_key: str
+    fd: int
+    handles: int = 0
+    written: bool = False
+    # (size, mtime_ns, ctime_ns) of the tier file when leased, or when last taken in: a
+    # writer that changed nothing (sqlite and np.memmap open O_RDWR to read) costs no copy
+    seen: tuple[int, int, int] = (-1, -1, -1)
+    # timestamps finer than the writes: False when the tier file changed within 0.1 s of the
+    # lease (coarse timestamps, kernels before 6.13, could hide a write in that tick)
+    trust_times: bool = True
+
+    def look(self) -> tuple[int, int, int]:
+        st = os.fstat(self.fd)  # an open descriptor: no I/O
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class Handlers:
     """Args:
         tree: the backing tree; every backing-store access goes through it (never a path
@@ -139,6 +167,8 @@ class Handlers:
         # set by a transport that passes writes through to the kernel (native + passthrough):
         # close(2) must then reach the daemon, which alone can tell the writer ENOSPC
         self.flush_at_close = False
+        # inodes whose opens pass through to a tier copy (see _TierPassthrough)
+        self.tier_passthrough: dict[int, _TierPassthrough] = {}
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -343,7 +373,22 @@ class Handlers:
         with self._op("setattr"):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
-            return await self.ns.setattr(inode, attr)
+            a = await self.ns.setattr(inode, attr)
+            if attr.size is not None and inode in self.tier_passthrough:
+                await self._truncate_tier_copy(inode, attr.size)
+                a = self.ns.in_place_attrs(a)
+            return a
+
+    async def _truncate_tier_copy(self, inode: int, size: int) -> None:
+        """A truncate of an inode whose opens pass through to its tier copy reaches that
+        copy too: they read it (the daemon's own copy is truncated as well, by the caller)."""
+        tp = self.tier_passthrough.get(inode)
+        if tp is None:
+            return
+        tp.written = True
+        tp.trust_times = False  # taken in at the next writer's release whatever the times say
+        self.ns.written_in_place[inode] = (tp.fd, tp.seen)
+        await self.cache.truncate_leased(tp.lkey, size)
 
     # -- files -----------------------------------------------------------------------------
     async def open(self, inode: int, flags: int, ctx: RequestCtx) -> OpenReply:
@@ -361,6 +406,7 @@ class Handlers:
                 made = await self.ns.make_dirty(entry, truncate=True)
                 if made.size:
                     await self.wb.truncate(made, 0)
+                await self._truncate_tier_copy(inode, 0)
             # Opened for writing but not truncated: the file becomes dirty at its first write,
             # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
             # too: an eager copy-up copied and wrote back whole files nobody changed.
@@ -520,8 +566,12 @@ class Handlers:
             h = self.handles.get(fh)
             if isinstance(h, FileHandle):
                 await self._after_passthrough(h)
-            if isinstance(h, FileHandle) and h.dirty is not None and h.dirty.state.value != "clean":
-                await self.wb.fsync(h.dirty)
+            df = h.dirty if isinstance(h, FileHandle) else None
+            if isinstance(h, FileHandle) and df is None and h.lease is not None and h.lease.writable:
+                entry = self.inodes.by_inode.get(h.inode)
+                df = entry.dirty if entry is not None else None  # written in place, taken in above
+            if df is not None and df.state.value != "clean":
+                await self.wb.fsync(df)
 
     # -- passthrough ----------------------------------------------------------------------
     async def lease(self, fh: int, *, clean: bool = True, written: bool = False) -> Lease | None:
@@ -540,6 +590,9 @@ class Handlers:
             h = self.handles.get(fh)
             if not isinstance(h, FileHandle) or h.lease is not None:
                 return None
+            tp = self.tier_passthrough.get(h.inode)
+            if tp is not None:
+                return self._share_tier_copy(fh, h, tp)
             entry = self.inodes.by_inode.get(h.inode)
             df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
             if df is not None and df.state.value != "clean":
@@ -551,13 +604,45 @@ class Handlers:
             elif not clean or h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
                 return None
             else:
-                lease = await self.cache.lease_resident(h.file)
+                tp = _TierPassthrough(None, h.file.key, -1)
+                lease = await self.cache.lease_resident(h.file, on_release=partial(self._tier_lease_released, h.inode, tp))
+                if lease is not None:
+                    tp.lkey, tp.fd, tp.handles = lease.key, lease.fd, 1
+                    tp.seen = tp.look()
+                    tp.trust_times = time.time_ns() - tp.seen[2] > 100_000_000
+                    if h.inode in self.tier_passthrough:  # another open won the race: it shares
+                        lease.release()
+                        return self._share_tier_copy(fh, h, self.tier_passthrough[h.inode])
+                    self.tier_passthrough[h.inode] = tp
             if fh not in self.handles.handles:  # released while we waited
                 if lease is not None:
                     lease.release()
                 return None
             h.lease = lease
             return lease
+
+    def _share_tier_copy(self, fh: int, h: FileHandle, tp: _TierPassthrough) -> Lease | None:
+        """A lease on the tier copy the inode's other opens pass through to (see
+        :class:`_TierPassthrough`). A writer writes it in place: the cache drops it at the
+        last release, attributes come from it, and its release takes it in as the file's
+        dirty copy (:meth:`_take_in_place`)."""
+        lease = self.cache.share_lease(tp.lkey, writable=h.writer,
+                                       on_release=partial(self._tier_lease_released, h.inode, tp))
+        if lease is None:
+            return None
+        tp.handles += 1
+        if h.writer:
+            tp.written = True
+            self.ns.written_in_place[h.inode] = (tp.fd, tp.seen)
+            self.wb.in_place_opens += 1
+        h.lease = lease
+        return lease
+
+    def _tier_lease_released(self, inode: int, tp: _TierPassthrough) -> None:
+        tp.handles -= 1
+        if tp.handles <= 0 and self.tier_passthrough.get(inode) is tp:
+            del self.tier_passthrough[inode]
+            self.ns.written_in_place.pop(inode, None)
 
     def drop_lease(self, fh: int) -> None:
         """The transport could not use the lease of ``fh``: give it back (the daemon serves)."""
@@ -568,8 +653,31 @@ class Handlers:
 
     async def _after_passthrough(self, h: FileHandle) -> None:
         """Take in what the kernel wrote through a writable lease (size, mtime, generation)."""
-        if h.lease is not None and h.lease.writable and h.dirty is not None:
+        if h.lease is None or not h.lease.writable:
+            return
+        if isinstance(h.lease.key, tuple) and h.lease.key[0] == "tier":
+            await self._take_in_place(h)
+        elif h.dirty is not None:
             await self.wb.after_passthrough_write(h.dirty)
+
+    async def _take_in_place(self, h: FileHandle) -> None:
+        """A writer's passthrough writes went into the tier copy (in place): the file's dirty
+        copy is made to hold that tier file's bytes, journalled and due for write-back as any
+        file closed after writes (at fsync: durable in the write tier)."""
+        assert h.lease is not None
+        tp = self.tier_passthrough.get(h.inode)
+        if tp is None:
+            return
+        now = tp.look()
+        if now == tp.seen and tp.trust_times:
+            return  # opened for writing, nothing written
+        self.cache.mark_modified(tp.file_key)  # its chunks are not the backing file's any more
+        entry = self.inodes.by_inode.get(h.inode)
+        if entry is None or entry.path is None:
+            return  # unlinked: nothing will be written back
+        await self.ns.take_in_place(entry, tp.fd)
+        tp.seen, tp.trust_times = now, True
+        self.ns.written_in_place[h.inode] = (tp.fd, tp.seen)
 
     async def release(self, fh: int) -> None:
         self.requests["release"] += 1

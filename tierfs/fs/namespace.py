@@ -134,6 +134,10 @@ class Namespace:
         self.meta = meta
         self.handles = handles
         self.attr_timeout = attr_timeout
+        # inode -> (descriptor, (size, mtime_ns, ctime_ns) when leased) of the tier file its
+        # writers write in place through passthrough (kept by the handler layer: Handlers.lease);
+        # once that file changed, attributes come from it
+        self.written_in_place: dict[int, tuple[int, tuple[int, int, int]]] = {}
         self.nursery: trio.Nursery | None = None
         self.open_files: dict[str, BackingFile] = {}
         # Backing files the daemon holds open for other reasons (hinted or predicted prefetch),
@@ -160,7 +164,24 @@ class Namespace:
         timeout = self.attr_timeout
         if (st.st_nlink if nlink is None else nlink) > 1 and not stat.S_ISDIR(st.st_mode):
             timeout = 0.0
-        return Attr.of(inode, st, nlink=nlink, entry_timeout=timeout, attr_timeout=timeout)
+        if inode not in self.written_in_place:
+            return Attr.of(inode, st, nlink=nlink, entry_timeout=timeout, attr_timeout=timeout)
+        return self.in_place_attrs(Attr.of(inode, st, nlink=nlink))
+
+    def in_place_attrs(self, a: Attr) -> Attr:
+        """``a`` for an inode opened for writing in place through passthrough: the kernel's
+        writes go to its tier file, whose size and times are the file's once they changed,
+        until it is taken in (an answer with the older size would cut the kernel's own size of
+        the inode); not cached by the kernel meanwhile."""
+        in_place = self.written_in_place.get(a.st_ino)
+        if in_place is None:
+            return a
+        a.entry_timeout = a.attr_timeout = 0.0
+        fd, seen = in_place
+        t = os.fstat(fd)  # an open descriptor: no I/O
+        if (t.st_size, t.st_mtime_ns, t.st_ctime_ns) != seen:
+            a.st_size, a.st_blocks, a.st_mtime_ns, a.st_ctime_ns = t.st_size, t.st_blocks, t.st_mtime_ns, t.st_ctime_ns
+        return a
 
     def clean_attrs(self, entry: InodeEntry, st: os.stat_result, *, nlink: int | None = None) -> Attr:
         """The reply for a backing object's attributes ``st``; remembered as what the kernel
@@ -240,7 +261,10 @@ class Namespace:
         df = self.wb.get(path)
         if df is not None:
             entry = self.inodes.remember_dirty(path, df)
-            return await self.dirty_attrs(entry, df)
+            # counted: an interrupt must not cancel the reply that tells the kernel so (the
+            # lookup would never be forgotten); a data file's fstat is short
+            with trio.CancelScope(shield=True):
+                return await self.dirty_attrs(entry, df)
         st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
         if stat.S_ISREG(st.st_mode):
@@ -251,7 +275,8 @@ class Namespace:
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
         if entry.dirty is not None:  # another hard link of a file being written
-            return await self.dirty_attrs(entry, entry.dirty)
+            with trio.CancelScope(shield=True):  # counted (above)
+                return await self.dirty_attrs(entry, entry.dirty)
         return self.clean_attrs(entry, st)
 
     async def lookup(self, parent_inode: int, name: bytes) -> Attr:
@@ -564,6 +589,34 @@ class Namespace:
             self.wb.set_in_place(df, st)
         self.inodes.attach(entry, df)
         return df
+
+    async def take_in_place(self, entry: InodeEntry, src_fd: int) -> DirtyFile:
+        """The inode's dirty file, made to hold the bytes of ``src_fd``: its tier file, which
+        the kernel wrote in place (:meth:`tierfs.writeback.manager.WriteBack.take_in_place`).
+        One at a time per inode, as :meth:`make_dirty`. Raises FuseError(ENOENT) for an
+        unlinked file (nothing to take in), OSError (ENOSPC, EIO)."""
+        lock = self._dirty_locks.setdefault(entry.inode, trio.Lock())
+        try:
+            async with lock:
+                path = entry.path
+                if path is None:
+                    raise FuseError(errno.ENOENT)
+                df = entry.dirty
+                if df is not None and df.state.value != "clean" and not df.through:
+                    return await self.wb.take_in_place(path, df, src_fd, os.fstat(df.fd), None)
+                st = await self.meta.run(self.tree.lstat, path)
+                bf = await self.backing_file(path)
+                try:
+                    df = await self.wb.take_in_place(path, None, src_fd, st, proc_path(bf.fd))
+                finally:
+                    self.release_backing(bf)
+                if st.st_nlink > 1:
+                    self.wb.set_in_place(df, st)
+                self.inodes.attach(entry, df)
+                return df
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dirty_locks.pop(entry.inode, None)
 
     # -- open backing files ----------------------------------------------------------------
     async def backing_file(self, rel: bytes) -> BackingFile:

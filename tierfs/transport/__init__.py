@@ -73,10 +73,10 @@ class Pyfuse3Session:
 
 
 async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsname: str,
-                        options: set[str], passthrough: str = "writes") -> Session:
+                        options: set[str], passthrough: str = "on") -> Session:
     """Mount ``mountpoint`` with transport ``kind`` (``auto``/``native``/``pyfuse3``) and
     answer INIT. ``options``: the pyfuse3 mount options (``allow_other`` is read from them for
-    the native transport). ``passthrough``: on, writes (dirty files only) or off (the
+    the native transport). ``passthrough``: on (resident and written files), writes (dirty files only) or off (the
     ``passthrough`` config key). Raises MountError."""
     from tierfs.transport import native
 

@@ -59,6 +59,10 @@ INTERRUPTIBLE = frozenset({c.LOOKUP, c.GETATTR, c.READ, c.READDIR, c.READDIRPLUS
                            c.ACCESS})
 NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
 _OPENS = {c.OPEN: 0, c.OPENDIR: 0, c.CREATE: c.ENTRY_HEAD.size + c.ATTR.size}  # where fh is in the reply
+# Replies that count a lookup of the inode they name (nodeid first in the reply): one the kernel
+# did not take (its caller was interrupted meanwhile) is given back, or the inode would be kept
+# for ever (libfuse does the same: forget_node when fuse_reply_entry fails)
+_ENTRIES = frozenset({c.LOOKUP, c.MKNOD, c.MKDIR, c.SYMLINK, c.LINK, c.CREATE})
 CAP_SYS_ADMIN = 21
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
@@ -153,12 +157,6 @@ class Passthrough:
         if io is None:
             io = self.inodes[inode] = _InodeIO()
         return io
-
-    def writer_conflict(self, inode: int, flags: int) -> bool:
-        """An open for writing of an inode whose passthrough opens read a clean file's tier copy:
-        it cannot be served (the kernel would pass it through to the cache's copy)."""
-        io = self.inodes.get(inode)
-        return bool(io and io.pt and io.kind == "tier" and flags & _WRITE_FLAGS)
 
     def register(self, inode: int, fd: int, kind: str) -> int | None:
         """The backing id for an open of ``inode`` whose bytes are in ``fd``: the inode's own if
@@ -441,9 +439,20 @@ class NativeSession:
         if err:
             self._send(c.error_reply(req.unique, err))
         elif isinstance(payload, list):
-            self._send_parts(req.unique, payload)
-        elif not self._send(c.reply(req.unique, payload or b"")) and op in _OPENS and payload:
-            await self._release_unseen(op, payload)
+            if not self._send_parts(req.unique, payload) and isinstance(payload, _DirParts) and payload.taken:
+                await self._forget_unseen([(ino, 1) for ino in payload.taken])
+        elif not self._send(c.reply(req.unique, payload or b"")) and payload:
+            if op in _ENTRIES:
+                (ino,) = struct.unpack_from("<Q", payload, 0)
+                if ino:
+                    await self._forget_unseen([(ino, 1)])
+            if op in _OPENS:
+                await self._release_unseen(op, payload)
+
+    async def _forget_unseen(self, items: list[tuple[int, int]]) -> None:
+        """Lookups counted for a reply the kernel did not take: give them back."""
+        with trio.CancelScope(shield=True):
+            await self.h.forget(items)
 
     async def _release_unseen(self, op: int, payload: bytes) -> None:
         """An open whose reply the kernel did not take (its opener was killed meanwhile): the
@@ -531,9 +540,6 @@ class NativeSession:
 
     async def op_open(self, req: c.Request) -> bytes:
         flags = req.args["flags"]
-        if self.pt is not None and self.pt.writer_conflict(req.nodeid, flags):
-            self.pt.stats.conflicts += 1
-            raise FuseError(errno.ETXTBSY)
         r = await self.h.open(req.nodeid, flags, self.ctx(req))
         return await self._reply_or_release(req.nodeid, flags, r, bool(flags & _WRITE_FLAGS))
 
@@ -574,7 +580,8 @@ class NativeSession:
         await self.h.readdir(a["fh"], a["offset"], buf.add)
         if not plus and buf.taken:  # the handler counted a lookup per entry (READDIRPLUS)
             await self.h.forget([(ino, 1) for ino in buf.taken])
-        return buf.parts
+            return buf.parts
+        return _DirParts(buf.parts, buf.taken)
 
     async def op_getxattr(self, req: c.Request) -> bytes:
         v = await self.h.getxattr(req.nodeid, req.args["name"], self.ctx(req))
@@ -618,6 +625,14 @@ class NativeSession:
                        passthrough_conflicts=s.conflicts, backing_ids=sum(
                            1 for io in self.pt.inodes.values() if io.backing_id))
         return out
+
+
+class _DirParts(list[bytes]):
+    """A READDIRPLUS reply's entries, with the inodes whose lookups they counted."""
+
+    def __init__(self, parts: list[bytes], taken: list[int]) -> None:
+        super().__init__(parts)
+        self.taken = taken
 
 
 def _sized(value: bytes, size: int) -> bytes:

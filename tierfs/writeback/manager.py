@@ -60,7 +60,7 @@ from tierfs.backing_tree import BackingTree
 from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.tier import Tier, blocks
 from tierfs.errors import BackingIOError, DirtyLimit
-from tierfs.io import Device, pread_exact, pwrite_all
+from tierfs.io import Device, copy_range, pread_exact, pwrite_all
 from tierfs.sched.scheduler import Klass, TransactionScheduler
 from tierfs.units import format_size
 from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests patch by identity)
@@ -287,6 +287,11 @@ class WriteBackStats:
     passthrough_refusals: int = 0  # lease_data answered None (the daemon serves the open)
     passthrough_changes: int = 0  # times a data file was found changed behind the daemon
     passthrough_overrun_bytes: int = 0  # bytes passthrough writers put over the tier's capacity
+    # opens for writing passed through to a clean file's tier copy that its readers read (the
+    # kernel wants one backing file per inode), and the times such writes were taken in as the
+    # file's dirty copy (a copy in the kernel at the writer's fsync or close)
+    in_place_opens: int = 0
+    in_place_takes: int = 0
     leased_files: int = 0  # dirty files with a lease now
 
 
@@ -303,6 +308,18 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     if times is not None:
         os.utime(fd, ns=times)
     return fd
+
+
+def _copy_whole(src: int, dst: int, size: int) -> None:
+    """Make file ``dst`` hold exactly the first ``size`` bytes of ``src`` (in the kernel where
+    it can: :func:`tierfs.io.copy_range`). Blocking."""
+    off = 0
+    while off < size:
+        n = copy_range(src, dst, size - off, off, off, route=("in-place", 0))
+        if n <= 0:
+            break
+        off += n
+    os.ftruncate(dst, off)
 
 
 def _name(df: DirtyFile) -> bytes:
@@ -404,6 +421,8 @@ class WriteBack:
         self.passthrough_refusals = 0
         self.passthrough_changes = 0
         self.passthrough_overrun_bytes = 0
+        self.in_place_opens = 0  # counted by the FUSE layer (Handlers.lease)
+        self.in_place_takes = 0  # files written in place in a tier file, taken in (take_in_place)
 
     # -- lookup ----------------------------------------------------------------------------
     def get(self, path: bytes) -> DirtyFile | None:
@@ -1137,6 +1156,12 @@ class WriteBack:
             # the file again rather than calling an older copy current.
             df.touch()
             return
+        await self._charge_what_it_holds(df)
+
+    async def _charge_what_it_holds(self, df: DirtyFile) -> None:
+        """Charge the write tier for what ``df``'s data file occupies now (written behind the
+        daemon): evicting clean chunks, past capacity if it must (counted and logged). Raises
+        OSError(ENOSPC) when the backing store could not take what it grew by."""
         alloc = _allocated(df.fd, df.size)  # fstat of an open descriptor: no I/O
         need = alloc - df.accounted
         if need <= 0:
@@ -1151,6 +1176,50 @@ class WriteBack:
             self._overrun(df, need)
         if err is not None:
             raise err
+
+    async def take_in_place(self, path: bytes, df: DirtyFile | None, src_fd: int,
+                            st: os.stat_result, xattr_src: bytes | None) -> DirtyFile:
+        """Take in a file the kernel wrote *in place*, in a tier file (an open for writing
+        passed through to the tier copy its readers were reading: the kernel wants one backing
+        file per inode): the dirty file of ``path`` is made to hold exactly the bytes of
+        ``src_fd`` (a copy in the kernel, ``copy_file_range``), journalled as any dirty file,
+        with a new generation. ``df``: its dirty file if it has one (refreshed under the fd
+        gate, so a write-back never copies a half-refreshed file), else one is made like a
+        copy-up with ``st``'s owner, mode and atime (``xattr_src``: where its xattrs are read).
+        The mtime is the tier file's (the kernel's writes set it). Returns the dirty file.
+
+        Raises:
+            OSError: ENOSPC (no room for the data file, or the backing store could not take
+                the bytes), EIO.
+        """
+        src = os.fstat(src_fd)  # an open descriptor: no I/O
+        size = src.st_size
+        fresh = df is None or df.state is DirtyState.CLEAN or df.through
+        if fresh:
+            df = await self.create(path, st.st_mode, st.st_uid, st.st_gid,
+                                   (st.st_atime_ns, src.st_mtime_ns), journal=False)
+            df.writers += 1  # a partial copy is never written back (as copy_up)
+        assert df is not None
+        try:
+            if fresh and xattr_src is not None:
+                await self.device.run(_copy_xattrs, xattr_src, df.fd)
+            async with self.exclusive(df):
+                await self.data_device.run(_copy_whole, src_fd, df.fd, size)
+                await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, src.st_mtime_ns)))
+            df.size = size
+            df.pt_seen = None
+            df.touch()
+            await self._charge_what_it_holds(df)
+        finally:
+            if fresh:
+                df.writers -= 1
+        if fresh:
+            self._journal(self.journal.set_path, df.id, path)  # complete: a dirty file from now on
+        if df.writers == 0:
+            df.deadline = df.due = trio.current_time() + self.deadline_s
+            self._wake.set()
+        self.in_place_takes += 1
+        return df
 
     def _overrun(self, df: DirtyFile, need: int) -> None:
         """Charge ``need`` bytes the write tier cannot hold to a leased file anyway (its
@@ -1385,5 +1454,6 @@ class WriteBack:
             passthrough_refusals=self.passthrough_refusals,
             passthrough_changes=self.passthrough_changes,
             passthrough_overrun_bytes=self.passthrough_overrun_bytes,
+            in_place_opens=self.in_place_opens, in_place_takes=self.in_place_takes,
             leased_files=sum(df.leases > 0 for df in self.files.values()),
         )
