@@ -246,7 +246,7 @@ class Handlers:
                 raise FuseError(ENOATTR)
             entry = self.inodes.get(inode)
             if entry.dirty is not None:
-                return await self.wb.xattr(entry.dirty, lambda fd: os.getxattr(fd, name))  # type: ignore[no-any-return]
+                return await self.wb.getxattr(entry.dirty, name)
             return await self.meta.run(self.tree.getxattr, self.inodes.rel(entry), name)  # type: ignore[no-any-return]
 
     async def listxattr(self, inode: int, ctx: RequestCtx | None = None) -> list[bytes]:
@@ -266,8 +266,7 @@ class Handlers:
                 raise FuseError(errno.EPERM)
             entry = self.inodes.get(inode)
             if entry.dirty is not None:
-                entry.dirty.touch()
-                await self.wb.xattr(entry.dirty, lambda fd: os.setxattr(fd, name, value))
+                await self.wb.setxattr(entry.dirty, name, value)
                 return
             await self.meta.run(self.tree.setxattr, self.inodes.rel(entry), name, value)
 

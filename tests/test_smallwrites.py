@@ -1,0 +1,70 @@
+"""The small-file write path without a mount: what each created file costs the daemon (calls
+and journal commits), and that the shortcuts taken keep every answer and every promise."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.test_writeback_inprocess import Disks, backing_bytes, copy_up, instance
+from tierfs.io import Device
+from tierfs.writeback.manager import CAPS_XATTR
+
+# a valid VFS_CAP_REVISION_2 value: cap_net_bind_service permitted, nothing inheritable
+CAPS_VALUE = struct.pack("<IIIII", 0x02000000, 1 << 10, 0, 0, 0)
+
+
+class CountingDevice(Device):
+    """A Device that counts the calls it runs."""
+
+    calls = 0
+
+    async def run(self, fn, *args):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return await super().run(fn, *args)
+
+
+async def test_a_new_files_capability_is_answered_without_a_call(tmp_path: Path) -> None:
+    """The kernel asks for ``security.capability`` before writes and attribute changes: for a
+    data file tierfs made (new, or a copy-up: it copies ``user.*`` xattrs only) the answer
+    (none) costs no call; once one is set, or for a file recovered after a crash, it is read
+    from the file."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "old").write_bytes(b"old")
+    async with instance(disks, deadline_s=3600) as wb:
+        counting = CountingDevice("attrs", 4)
+        wb.attr_device = counting
+        df = await wb.create(b"new", 0o100644, os.getuid(), os.getgid())
+        wb.opened(df, True)
+        up = await copy_up(wb, disks, "old")
+        made = counting.calls  # (their data files were made through the device)
+        for f in (df, up):
+            with pytest.raises(OSError) as e:
+                await wb.getxattr(f, CAPS_XATTR)
+            assert e.value.errno == errno.ENODATA
+        assert counting.calls == made
+        await wb.setxattr(df, b"user.k", b"v")  # other attributes: as before
+        assert await wb.getxattr(df, b"user.k") == b"v"
+        await wb.write(df, 0, b"data")  # (a write drops file capabilities: before setting one)
+        if os.getuid() == 0:  # setting file capabilities needs CAP_SETFCAP
+            await wb.setxattr(df, CAPS_XATTR, CAPS_VALUE)
+            assert await wb.getxattr(df, CAPS_XATTR) == CAPS_VALUE
+        # still open at the "crash" here
+    async with instance(disks, deadline_s=3600) as wb:
+        counting = CountingDevice("attrs", 4)
+        wb.attr_device = counting
+        kept = wb.get(b"new")
+        assert kept is not None
+        if os.getuid() == 0:
+            assert await wb.getxattr(kept, CAPS_XATTR) == CAPS_VALUE
+        else:
+            with pytest.raises(OSError):
+                await wb.getxattr(kept, CAPS_XATTR)
+        assert counting.calls == 1
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "new") == b"data"
+    assert os.getxattr(disks.back / "new", b"user.k") == b"v"
