@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs_fuse, tierfs_cmd
 from tests.test_writeback_inprocess import Disks, backing_bytes, copy_up, instance
 from tierfs.io import Device
 from tierfs.writeback.manager import CAPS_XATTR
@@ -68,3 +69,24 @@ async def test_a_new_files_capability_is_answered_without_a_call(tmp_path: Path)
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "new") == b"data"
     assert os.getxattr(disks.back / "new", b"user.k") == b"v"
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_attribute_calls_on_a_ram_write_tier_stay_on_the_loop(tiermount) -> None:  # type: ignore[no-untyped-def]
+    """What ``tar -x`` does to each file (create, write, owner, mode, times) costs no thread
+    hand-off on a RAM write tier (tmpfs): the attribute calls on data files run inline; the
+    files come out right."""
+    m = tiermount()
+    for i in range(20):
+        p = m.mnt / f"f{i}"
+        p.write_bytes(b"x" * i)
+        os.chown(p, os.getuid(), os.getgid())
+        os.chmod(p, 0o640)
+        os.utime(p, ns=(10**18, 10**18 + i))
+    dev = m.stats()["devices"]["ram-dirty-attrs"]
+    assert dev["inline_calls"] >= 20 * 3
+    tierfs_cmd("flush", str(m.mnt))
+    for i in range(20):
+        st = os.stat(m.backing / f"f{i}")
+        assert (st.st_mode & 0o7777, st.st_mtime_ns, st.st_size) == (0o640, 10**18 + i, i)

@@ -359,7 +359,8 @@ class WriteBack:
         here if None). tier: the write tier; tier_index: its index in the cache. device: the
         write tier's device. scheduler: for every backing transfer. make_room: evicts clean
         chunks from the write tier: ``await make_room(tier_index, n)``. deadline_s: seconds
-        from close to the write-back deadline. on_clean: called with the file and the backing
+        from close to the write-back deadline. attr_device: for attribute and xattr calls on
+        data files and their creation (default: ``device``, threads). on_clean: called with the file and the backing
         ``stat`` of its final path once it is written back.
 
     Raises:
@@ -370,6 +371,7 @@ class WriteBack:
                  scheduler: TransactionScheduler, journal: Journal, data_device: Device | None = None,
                  make_room: Callable[[int, int], object], deadline_s: float,
                  slice_size: int, fsync_backing: bool = False, tree: BackingTree | None = None,
+                 attr_device: Device | None = None,
                  on_clean: Callable[[DirtyFile, os.stat_result | None], None] | None = None) -> None:
         self.root = backing_root
         self._own_tree = tree is None
@@ -389,8 +391,9 @@ class WriteBack:
         # file in 1,000 files of tar -x with every one in a thread (load ~4); inline they made
         # 1.7 ms. But one inline fgetxattr on a data file held the event loop 102 ms in a full
         # test run (the write tier on the VM's disk, busy with write-back fsyncs), over the
-        # loop's bound: they stay in threads until that is understood.
-        self.attr_device = self.device
+        # loop's bound: on a disk they stay in threads until that is understood; a RAM write
+        # tier (tmpfs: no I/O under these calls) passes an inline-while-cheap device (mount.py).
+        self.attr_device = attr_device or self.device
         self.sched = scheduler
         self.journal = journal
         self.make_room = make_room
