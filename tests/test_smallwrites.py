@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_fuse, tierfs_cmd
-from tests.test_writeback_inprocess import Disks, backing_bytes, copy_up, instance
+from tests.test_writeback_inprocess import (
+    Disks,
+    SpyJournal,
+    backing_bytes,
+    copy_up,
+    instance,
+    write_file,
+)
 from tierfs.io import Device
 from tierfs.writeback.manager import CAPS_XATTR
 
@@ -69,6 +76,27 @@ async def test_a_new_files_capability_is_answered_without_a_call(tmp_path: Path)
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "new") == b"data"
     assert os.getxattr(disks.back / "new", b"user.k") == b"v"
+
+
+async def test_journal_commits_per_small_file(tmp_path: Path) -> None:
+    """A file created, written, closed and written back costs 4 journal commits: its row, its
+    path, its temporary file's name (before the file exists), and the row's removal once
+    clean (the temporary name was forgotten in a commit of its own before the removal)."""
+    writes: list[str] = []
+
+    class Counting(SpyJournal):
+        def hook(self, where: str) -> None:  # type: ignore[override]
+            if where.startswith("after:"):
+                writes.append(where[6:])
+
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, journal_cls=Counting) as wb:
+        del writes[:]
+        for i in range(10):
+            await write_file(wb, b"f%d" % i, b"small %d" % i)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "f9") == b"small 9"
+    assert len(writes) == 4 * 10, writes[:12]
 
 
 @needs_fuse
