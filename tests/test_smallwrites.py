@@ -99,6 +99,31 @@ async def test_journal_commits_per_small_file(tmp_path: Path) -> None:
     assert len(writes) == 4 * 10, writes[:12]
 
 
+async def test_a_small_files_write_back_is_three_backing_transactions(tmp_path: Path) -> None:
+    """A file of one slice or less is written back in 3 backing-store transactions (each a
+    thread hand-off): its temporary file made, filled and finished in one call, renamed into
+    place; sizing, copying and finishing were three. Content, mode and times arrive."""
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, slice_size=64 * 1024) as wb:
+        calls = 0
+        run_io = wb.sched._run_io
+
+        async def counted(fn):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            return await run_io(fn)  # type: ignore[misc]
+
+        wb.sched._run_io = counted
+        sizes = [0, 1, 4096, 5000, 64 * 1024]
+        for i, n in enumerate(sizes):
+            await write_file(wb, b"f%d" % i, os.urandom(n) if n else b"")
+        await wb.wait_durable(None, timeout=30)
+    assert calls == 3 * len(sizes)
+    for i, n in enumerate(sizes):
+        data = backing_bytes(disks, f"f{i}")
+        assert data is not None and len(data) == n
+
+
 @needs_fuse
 @pytest.mark.fuse
 def test_attribute_calls_on_a_ram_write_tier_stay_on_the_loop(tiermount) -> None:  # type: ignore[no-untyped-def]

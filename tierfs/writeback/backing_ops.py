@@ -119,6 +119,21 @@ def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
             os.close(tmp_fd)
 
 
+def _copy_small(tmp_fd: int, src_fd: int, size: int, limit: int) -> int:
+    """A file of at most ``limit`` bytes onto its temporary file in one call (one thread
+    hand-off, one scheduler transaction, where sizing, copying and finishing took three):
+    :func:`_size_tmp`, :func:`_copy_data` (durable), :func:`_finish_tmp` (attributes, fsync,
+    close). ``tmp_fd`` is closed whatever happens. Returns the bytes of data copied."""
+    try:
+        os.ftruncate(tmp_fd, size)
+        _, copied = _copy_data(src_fd, tmp_fd, 0, size, limit, True)
+    except BaseException:
+        os.close(tmp_fd)
+        raise
+    _finish_tmp(tmp_fd, src_fd, size)
+    return copied
+
+
 def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
     os.ftruncate(dst, size)
     st = os.fstat(src)
