@@ -505,3 +505,25 @@ def test_hdd_profile_never_passes_misses_through(tiermount, transport: str) -> N
     assert (m.mnt / "h").read_bytes() == data
     s = m.stats()
     assert s["fuse"]["read_requests"] > 0 and "backing" not in s["transport"]["passthrough_opens_by_tier"]
+
+
+def test_a_read_only_close_costs_no_flush_round_trip(nm: Mount) -> None:
+    """FOPEN_NOFLUSH on read-only opens: a small-file epoch pays one synchronous FLUSH per
+    image otherwise (answered once passthrough writes are negotiated); a writer's close still
+    reaches the daemon (ENOSPC is told there)."""
+    data = write_random(nm.backing / "r", 100_000)
+    make_resident(nm, "r", len(data))
+
+    def flushes() -> int:
+        return nm.stats()["fuse"]["requests"].get("flush", 0)
+
+    before = flushes()
+    for _ in range(5):
+        assert (nm.mnt / "r").read_bytes() == data  # passed through
+    (nm.backing / "d").write_bytes(b"d" * 1000)
+    for _ in range(5):
+        assert (nm.mnt / "d").read_bytes() == b"d" * 1000  # served by the daemon
+    assert flushes() == before
+    with open(nm.mnt / "w", "wb") as f:
+        f.write(b"w")
+    assert flushes() == before + 1
