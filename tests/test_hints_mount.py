@@ -51,8 +51,11 @@ def _ram(mnt: Path, names: list[str]) -> dict[str, int]:
 
 
 def _counters(m: Any) -> tuple[int, int, int]:
+    """(bytes served from the tiers: through the daemon, or handed to the kernel by passthrough
+    opens of resident files; bytes served from the backing store; bytes read from it)."""
     s = m.stats()
-    return (s["cache"]["bytes_served_from_tiers"], s["cache"]["bytes_served_from_backing"],
+    passed = sum(t.get("passthrough_bytes", 0) for t in s["tiers"])
+    return (s["cache"]["bytes_served_from_tiers"] + passed, s["cache"]["bytes_served_from_backing"],
             s["scheduler"]["backing_bytes_read"])
 
 

@@ -441,3 +441,89 @@ def test_lmdb_writer_beside_readers_of_a_resident_database(nm: Mount, writemap: 
             assert txn.get(b"new") == b"value" and txn.stat()["entries"] == 501
     finally:
         env.close()
+
+
+# -- misses passed through to the backing file (passthrough_misses, parallel profile) -------------
+@pytest.fixture
+def bm(tiermount, transport: str) -> Mount:  # type: ignore[no-untyped-def]
+    m = tiermount(ram="128MiB", extra=("--transport", "native", "--backing", "parallel",
+                                       "-o", "passthrough_misses=true"))
+    needs_passthrough(m)
+    return m
+
+
+def test_miss_is_read_from_the_backing_file_and_fills_the_tier(bm: Mount) -> None:
+    data = write_random(bm.backing / "m", 5 * MiB + 7)
+    assert (bm.mnt / "m").read_bytes() == data
+    s = bm.stats()
+    assert s["fuse"]["read_requests"] == 0 and s["transport"]["passthrough_opens_by_tier"] == {"backing": 1}
+    end = time.monotonic() + 30
+    while json.loads(tierfs_cmd("where", str(bm.mnt / "m"), "--json").stdout)[0]["resident_bytes"].get("ram", 0) != len(data):
+        assert time.monotonic() < end, "the tier was not filled in the background"
+        time.sleep(0.05)
+    assert (bm.mnt / "m").read_bytes() == data  # now from the RAM tier
+    assert bm.stats()["transport"]["passthrough_opens_by_tier"].get("ram") == 1
+
+
+def test_writer_beside_backing_readers_writes_the_backing_file_in_place(bm: Mount) -> None:
+    data = write_random(bm.backing / "w", 2 * MiB)
+    with open(bm.mnt / "w", "rb") as r:
+        assert r.read(10) == data[:10]
+        with open(bm.mnt / "w", "r+b") as w:
+            w.write(b"new")
+            w.seek(len(data))
+            w.write(b"tail")
+            w.flush()
+            os.fsync(w.fileno())
+            assert (bm.backing / "w").read_bytes() == b"new" + data[3:] + b"tail"  # in place, at once
+            assert os.pread(r.fileno(), 3, 0) == b"new"  # (not r.read: its buffer holds the old bytes)
+            assert os.stat(bm.mnt / "w").st_size == len(data) + 4
+    want = b"new" + data[3:] + b"tail"
+    assert (bm.mnt / "w").read_bytes() == want
+    s = bm.stats()
+    assert s["writeback"]["dirty_files"] == 0 and s["transport"]["passthrough_conflicts"] == 0
+
+
+def test_truncates_beside_backing_readers_reach_the_backing_file(bm: Mount) -> None:
+    data = write_random(bm.backing / "t", MiB)
+    with open(bm.mnt / "t", "rb") as r:
+        r.read(1)
+        os.truncate(bm.mnt / "t", 1000)
+        assert (bm.backing / "t").stat().st_size == 1000
+        assert os.pread(r.fileno(), 2000, 0) == data[:1000]
+        with open(bm.mnt / "t", "wb") as w:  # O_TRUNC
+            w.write(b"x")
+        assert (bm.backing / "t").read_bytes() == b"x"
+    assert (bm.mnt / "t").read_bytes() == b"x"
+    assert bm.stats()["writeback"]["dirty_files"] == 0
+
+
+def test_hdd_profile_never_passes_misses_through(tiermount, transport: str) -> None:
+    m = tiermount(ram="64MiB", extra=("--transport", "native", "--backing", "hdd", "-o", "passthrough_misses=true"))
+    needs_passthrough(m)
+    data = write_random(m.backing / "h", MiB)
+    assert (m.mnt / "h").read_bytes() == data
+    s = m.stats()
+    assert s["fuse"]["read_requests"] > 0 and "backing" not in s["transport"]["passthrough_opens_by_tier"]
+
+
+def test_a_read_only_close_costs_no_flush_round_trip(nm: Mount) -> None:
+    """FOPEN_NOFLUSH on read-only opens: a small-file epoch pays one synchronous FLUSH per
+    image otherwise (answered once passthrough writes are negotiated); a writer's close still
+    reaches the daemon (ENOSPC is told there)."""
+    data = write_random(nm.backing / "r", 100_000)
+    make_resident(nm, "r", len(data))
+
+    def flushes() -> int:
+        return nm.stats()["fuse"]["requests"].get("flush", 0)
+
+    before = flushes()
+    for _ in range(5):
+        assert (nm.mnt / "r").read_bytes() == data  # passed through
+    (nm.backing / "d").write_bytes(b"d" * 1000)
+    for _ in range(5):
+        assert (nm.mnt / "d").read_bytes() == b"d" * 1000  # served by the daemon
+    assert flushes() == before
+    with open(nm.mnt / "w", "wb") as f:
+        f.write(b"w")
+    assert flushes() == before + 1

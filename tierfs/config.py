@@ -191,6 +191,12 @@ OPTIONS: tuple[Option, ...] = (
            "written, in the write tier (checkpoints at the tier's speed); an open for writing of a "
            "file whose readers read its tier copy writes that copy in place, taken in at fsync "
            "and close; writes: written files only; off: none"),
+    Option("passthrough_misses", _bool, False, "native transport with passthrough, parallel backing "
+           "profile: a file not resident in a tier is read by the kernel straight from the "
+           "backing store (a first epoch at the store's speed) while the cache fills a tier in the "
+           "background; a writer beside such readers writes the backing file in place (no "
+           "write-back), as through bindfs. Never on the hdd profile (the scheduler serializes "
+           "every HDD access)"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -236,6 +242,7 @@ class Config:
     fsync: str = "tier"
     transport: str = "auto"
     passthrough: str = "on"
+    passthrough_misses: bool = False
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

@@ -504,6 +504,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     session: Session | None = None
     session = await start_session(cfg.transport, ops, plan.mountpoint, fsname=plan.backing,
                                   options=options, passthrough=cfg.passthrough)
+    # misses straight from a parallel store (never an HDD's: its scheduler orders every access)
+    ops.backing_passthrough = cfg.passthrough_misses and not profile.elevator and cfg.passthrough == "on"
     unmounted_cleanly = False
     exporter = None
     try:

@@ -30,7 +30,7 @@ import trio
 
 from tierfs import logevents, tasks
 from tierfs.backing_tree import BackingTree
-from tierfs.cache.lease import Lease
+from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.manager import Cache
 from tierfs.errors import TierfsError
 from tierfs.fs.api import ENOATTR, Attr, DirEmit, FuseError, OpenReply, RequestCtx, SetAttr, StatVfs
@@ -41,6 +41,7 @@ from tierfs.fs.namespace import CONTROL_NAME, Namespace
 from tierfs.io import Device
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
+from tierfs.sched.scheduler import Klass
 from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
@@ -119,6 +120,7 @@ class _TierPassthrough:
     fd: int
     handles: int = 0
     written: bool = False
+    kind: str = "tier"  # or "backing": the backing file itself (a miss on a parallel store)
     # (size, mtime_ns, ctime_ns) of the tier file when leased, or when last taken in: a
     # writer that changed nothing (sqlite and np.memmap open O_RDWR to read) costs no copy
     seen: tuple[int, int, int] = (-1, -1, -1)
@@ -167,8 +169,15 @@ class Handlers:
         # set by a transport that passes writes through to the kernel (native + passthrough):
         # close(2) must then reach the daemon, which alone can tell the writer ENOSPC
         self.flush_at_close = False
-        # inodes whose opens pass through to a tier copy (see _TierPassthrough)
+        # inodes whose opens pass through to a tier copy or their backing file (_TierPassthrough)
         self.tier_passthrough: dict[int, _TierPassthrough] = {}
+        # Misses passed through to the backing file (set by the mount: ``passthrough_misses`` on
+        # a parallel store with a transport that passes through): the kernel reads the store
+        # itself, at its speed, while the cache fills a tier in the background
+        self.backing_passthrough = False
+        self.backing_leases = LeaseTable(close=lambda fd: None)  # the fds are the open BackingFiles'
+        self.backing_pt_opens = 0
+        self.backing_pt_writers = 0
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -382,7 +391,7 @@ class Handlers:
         """A truncate of an inode whose opens pass through to its tier copy reaches that
         copy too: they read it (the daemon's own copy is truncated as well, by the caller)."""
         tp = self.tier_passthrough.get(inode)
-        if tp is None:
+        if tp is None or tp.kind == "backing":  # (the backing file itself: Namespace truncated it)
             return
         tp.written = True
         tp.trust_times = False  # taken in at the next writer's release whatever the times say
@@ -401,7 +410,9 @@ class Handlers:
             h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid)
             if not writer and self.on_open_read is not None:
                 self.on_open_read(ctx.pid, entry.path)
-            if flags & os.O_TRUNC:
+            if flags & os.O_TRUNC and inode in self.ns.backing_in_place and entry.dirty is None:
+                await self.ns.truncate_backing(entry, 0)  # its opens pass through to it
+            elif flags & os.O_TRUNC:
                 made = await self.ns.make_dirty(entry, truncate=True)
                 if made.size:
                     await self.wb.truncate(made, 0)
@@ -566,6 +577,9 @@ class Handlers:
             if isinstance(h, FileHandle):
                 await self._after_passthrough(h)
             df = h.dirty if isinstance(h, FileHandle) else None
+            if isinstance(h, FileHandle) and h.lease is not None and h.lease.key[0] == "backing" and h.file is not None:  # type: ignore[index]
+                await self.meta.run(os.fsync, h.file.fd)  # written in the backing file in place
+                return
             if isinstance(h, FileHandle) and df is None and h.lease is not None and h.lease.writable:
                 entry = self.inodes.by_inode.get(h.inode)
                 df = entry.dirty if entry is not None else None  # written in place, taken in above
@@ -605,6 +619,8 @@ class Handlers:
             else:
                 tp = _TierPassthrough(None, h.file.key, -1)
                 lease = await self.cache.lease_resident(h.file, on_release=partial(self._tier_lease_released, h.inode, tp))
+                if lease is None and self.backing_passthrough:
+                    lease = self._lease_backing(h, tp)
                 if lease is not None:
                     tp.lkey, tp.fd, tp.handles = lease.key, lease.fd, 1
                     tp.seen = tp.look()
@@ -620,13 +636,47 @@ class Handlers:
             h.lease = lease
             return lease
 
+    def _lease_backing(self, h: FileHandle, tp: _TierPassthrough) -> Lease | None:
+        """A lease on the open backing file of reader ``h`` (a miss on a parallel store): the
+        kernel reads the store directly; every chunk of the file is queued for a tier
+        (speculative: after demand and hinted fetches), since those reads never reach the
+        daemon. The descriptor is the shared BackingFile's, open while ``h`` is."""
+        f = h.file
+        if f is None or f.fd < 0 or f.stale or f.size == 0:
+            return None
+        lkey = ("backing", f.key)
+        on_release = partial(self._tier_lease_released, h.inode, tp)
+        lease = self.backing_leases.share_now(lkey, tier="backing", size=f.size, writable=False,
+                                              on_release=on_release)
+        if lease is None:
+            self.backing_leases.begin(lkey)
+            lease = self.backing_leases.finish(lkey, f.fd, tier="backing", size=f.size,
+                                               writable=False, on_release=on_release)
+        tp.kind = "backing"
+        self.ns.backing_in_place.add(h.inode)
+        self.backing_pt_opens += 1
+        self.cache.prefetch(f, list(range(-(-f.size // self.cache.chunk_size))), Klass.SPECULATIVE)
+        return lease
+
     def _share_tier_copy(self, fh: int, h: FileHandle, tp: _TierPassthrough) -> Lease | None:
         """A lease on the tier copy the inode's other opens pass through to (see
         :class:`_TierPassthrough`). A writer writes it in place: the cache drops it at the
         last release, attributes come from it, and its release takes it in as the file's
         dirty copy (:meth:`_take_in_place`)."""
-        lease = self.cache.share_lease(tp.lkey, writable=h.writer,
-                                       on_release=partial(self._tier_lease_released, h.inode, tp))
+        on_release = partial(self._tier_lease_released, h.inode, tp)
+        if tp.kind == "backing":
+            lease = self.backing_leases.share_now(tp.lkey, tier="backing", size=0, writable=h.writer,
+                                                  on_release=on_release)
+            if lease is None:
+                return None
+            tp.handles += 1
+            self.backing_pt_opens += 1
+            if h.writer:  # writes the backing file in place: see _after_passthrough
+                tp.written = True
+                self.backing_pt_writers += 1
+            h.lease = lease
+            return lease
+        lease = self.cache.share_lease(tp.lkey, writable=h.writer, on_release=on_release)
         if lease is None:
             return None
         tp.handles += 1
@@ -642,6 +692,7 @@ class Handlers:
         if tp.handles <= 0 and self.tier_passthrough.get(inode) is tp:
             del self.tier_passthrough[inode]
             self.ns.written_in_place.pop(inode, None)
+            self.ns.backing_in_place.discard(inode)
 
     def drop_lease(self, fh: int) -> None:
         """The transport could not use the lease of ``fh``: give it back (the daemon serves)."""
@@ -656,6 +707,13 @@ class Handlers:
             return
         if isinstance(h.lease.key, tuple) and h.lease.key[0] == "tier":
             await self._take_in_place(h)
+        elif isinstance(h.lease.key, tuple) and h.lease.key[0] == "backing":
+            # written in the backing file itself: what the cache holds of the old version is
+            # not the file any more (its identity changed), and the kernel keeps its own size
+            await self.cache.drop_file(str(h.lease.key[1]))
+            entry = self.inodes.by_inode.get(h.inode)
+            if entry is not None:
+                entry.told = None
         elif h.dirty is not None:
             await self.wb.after_passthrough_write(h.dirty)
 

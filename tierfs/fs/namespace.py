@@ -105,6 +105,16 @@ def _setattr_backing(tree: BackingTree, rel: bytes, mode: int | None, uid: int |
         tree.utime(rel, times)
 
 
+def _truncate_backing(tree: BackingTree, rel: bytes, size: int) -> None:
+    """Truncate a clean backing file in place (a file whose opens the kernel passes through to
+    it: see Namespace.backing_in_place)."""
+    fd = tree.open(rel, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _new_owner_gid(tree: BackingTree, parent: bytes, gid: int) -> int:
     """The group of a new object in ``parent``: the directory's own if it is setgid (as a
     local filesystem does), else the caller's ``gid``. Resolving the parent also refuses a
@@ -138,6 +148,10 @@ class Namespace:
         # writers write in place through passthrough (kept by the handler layer: Handlers.lease);
         # once that file changed, attributes come from it
         self.written_in_place: dict[int, tuple[int, tuple[int, int, int]]] = {}
+        # inodes whose opens the kernel passes through to their backing file (a miss on a
+        # parallel store, ``passthrough_misses``): their writers write the backing file in
+        # place, so a truncate goes there too, never to a dirty copy
+        self.backing_in_place: set[int] = set()
         self.nursery: trio.Nursery | None = None
         self.open_files: dict[str, BackingFile] = {}
         # Backing files the daemon holds open for other reasons (hinted or predicted prefetch),
@@ -534,7 +548,9 @@ class Namespace:
     # -- attributes (setattr) ----------------------------------------------------------------
     async def setattr(self, inode: int, attr: SetAttr) -> Attr:
         entry = self.inodes.get(inode)
-        if attr.size is not None:
+        if attr.size is not None and inode in self.backing_in_place and entry.dirty is None:
+            await self.truncate_backing(entry, attr.size)
+        elif attr.size is not None:
             df = await self.make_dirty(entry, truncate=attr.size == 0)
             await self.wb.truncate(df, attr.size)
         times = None
@@ -550,6 +566,11 @@ class Namespace:
                 await self.meta.run(_setattr_backing, self.tree, self.inodes.rel(entry),
                                     mode, uid, gid, times)
         return await self.entry_attrs(entry)
+
+    async def truncate_backing(self, entry: InodeEntry, size: int) -> None:
+        """Truncate the backing file of ``entry`` itself (see :attr:`backing_in_place`)."""
+        await self.meta.run(_truncate_backing, self.tree, self.inodes.rel(entry), size)
+        entry.told = None  # the kernel keeps its own size of a file passed through
 
     # -- dirty files (copy-up) -----------------------------------------------------------------
     async def make_dirty(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:

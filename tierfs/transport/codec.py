@@ -60,6 +60,7 @@ INIT_FLAG_NAMES = {ASYNC_READ: "async_read", ATOMIC_O_TRUNC: "atomic_o_trunc", B
 # -- open reply flags (fuse_open_out.open_flags) ----------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_NOFLUSH = 1 << 5  # Linux 5.16+: no FLUSH at close of this open
 FOPEN_PASSTHROUGH = 1 << 7
 
 # -- setattr valid bits (fuse_setattr_in.valid) -----------------------------------------------

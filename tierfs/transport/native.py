@@ -498,12 +498,16 @@ class NativeSession:
         """The open_out for handle ``r``: passthrough when the handler layer leases the file
         and the inode's open mode allows it; else page cache (or direct I/O) as the handler said."""
         pt = self.pt
+        # A read-only open needs no FLUSH at close (only writers are told of write-back errors
+        # there): one synchronous round trip less per file read, which a small-file epoch pays
+        # per image (the FLUSH is answered once passthrough writes are negotiated)
+        nf = 0 if writer else c.FOPEN_NOFLUSH
         if r.direct_io:
             if pt is not None:
                 pt.opened(r.fh, inode, "direct", writer)
-            return c.open_out(r.fh, c.FOPEN_DIRECT_IO)
+            return c.open_out(r.fh, c.FOPEN_DIRECT_IO | nf)
         if pt is None:
-            return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if r.keep_cache else 0)
+            return c.open_out(r.fh, (c.FOPEN_KEEP_CACHE if r.keep_cache else 0) | nf)
         io = pt.inodes.get(inode)
         if io is None or io.cached == 0:
             lease = await self.h.lease(r.fh, clean=self.clean_passthrough,
@@ -521,7 +525,7 @@ class NativeSession:
                     pt.stats.opens += 1
                     pt.stats.bytes += lease.size
                     pt.stats.by_tier[lease.tier] += 1
-                    return c.open_out(r.fh, c.FOPEN_PASSTHROUGH, bid)
+                    return c.open_out(r.fh, c.FOPEN_PASSTHROUGH | nf, bid)
                 self.h.drop_lease(r.fh)
             if io is not None and io.pt and io.kind == "data" and not writer:
                 # A reader of a file whose open handles use its write-tier data file, which the
@@ -529,14 +533,14 @@ class NativeSession:
                 # bytes, the newest written through this mount; share them.
                 pt.opened(r.fh, inode, "pt", writer)
                 pt.stats.opens += 1
-                return c.open_out(r.fh, c.FOPEN_PASSTHROUGH, io.backing_id)
+                return c.open_out(r.fh, c.FOPEN_PASSTHROUGH | nf, io.backing_id)
             if io is not None and io.pt:
                 # the inode is open in passthrough mode on another file: the kernel refuses a
                 # cached open of it (EIO), and this one cannot share the backing file
                 pt.stats.conflicts += 1
                 raise FuseError(errno.ETXTBSY)
         pt.opened(r.fh, inode, "cached", writer)
-        return c.open_out(r.fh, c.FOPEN_KEEP_CACHE if pt.keep_cache(inode, r.keep_cache) else 0)
+        return c.open_out(r.fh, (c.FOPEN_KEEP_CACHE if pt.keep_cache(inode, r.keep_cache) else 0) | nf)
 
     async def op_open(self, req: c.Request) -> bytes:
         flags = req.args["flags"]
