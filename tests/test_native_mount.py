@@ -163,6 +163,12 @@ def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
 
 
+def fcntl_accmode(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+
+
 def wb_stats(m: Mount) -> dict:
     return m.stats()["writeback"]
 
@@ -527,3 +533,107 @@ def test_a_read_only_close_costs_no_flush_round_trip(nm: Mount) -> None:
     with open(nm.mnt / "w", "wb") as f:
         f.write(b"w")
     assert flushes() == before + 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_readers_writers_and_truncates_of_a_resident_file_match_a_local_file(nm: Mount, tmp_path: Path,
+                                                                                   seed: int) -> None:
+    """Random opens (read-only, read-write), writes (also past the end), truncates (by path),
+    fsyncs, write-backs and closes of a file resident in the RAM tier, mirrored on a local file:
+    every read through any handle, every size, the content after the last close and the
+    backing file after write-back are the local file's. Exercises the tier copy written in
+    place while readers pass through to it, and its take-in at fsync and close."""
+    import random
+
+    rnd = random.Random(seed)
+    data = write_random(nm.backing / "f", 3 * MiB + 11, seed=seed)
+    make_resident(nm, "f", len(data))
+    local = tmp_path / "local"
+    local.write_bytes(data)
+    handles: list[tuple[int, int]] = []  # (mount fd, local fd)
+    try:
+        for _ in range(60):
+            op = rnd.random()
+            if op < 0.2 or not handles:
+                flags = os.O_RDWR if rnd.random() < 0.5 else os.O_RDONLY
+                handles.append((os.open(nm.mnt / "f", flags), os.open(local, flags)))
+            elif op < 0.45:
+                m, lo = rnd.choice(handles)
+                size = os.fstat(lo).st_size
+                off, n = rnd.randrange(0, size + MiB), rnd.randrange(1, 300_000)
+                assert os.pread(m, n, off) == os.pread(lo, n, off)
+            elif op < 0.7:
+                m, lo = rnd.choice(handles)
+                off = rnd.randrange(0, os.fstat(lo).st_size + 100_000)
+                buf = rnd.randbytes(rnd.randrange(1, 200_000))
+                if os.get_blocking(lo) and fcntl_accmode(lo) == os.O_RDONLY:
+                    with pytest.raises(OSError):
+                        os.pwrite(m, buf, off)  # read-only: refused, as on the local file
+                    continue
+                os.pwrite(lo, buf, off)
+                os.pwrite(m, buf, off)
+            elif op < 0.78:
+                size = rnd.randrange(0, 4 * MiB)
+                os.truncate(local, size)
+                os.truncate(nm.mnt / "f", size)
+            elif op < 0.82:
+                m, lo = rnd.choice(handles)
+                os.fsync(m)
+            elif op < 0.86:
+                tierfs_cmd("flush", str(nm.mnt))  # written back (clean) while handles stay open
+            else:
+                m, lo = handles.pop(rnd.randrange(len(handles)))
+                os.close(m)
+                os.close(lo)
+            assert os.stat(nm.mnt / "f").st_size == local.stat().st_size
+    finally:
+        for m, lo in handles:
+            os.close(m)
+            os.close(lo)
+    want = local.read_bytes()
+    assert (nm.mnt / "f").read_bytes() == want
+    assert nm.stats()["transport"]["passthrough_conflicts"] == 0
+    tierfs_cmd("flush", str(nm.mnt))
+    wait_for(lambda: (nm.backing / "f").read_bytes() == want, "write-back of f")
+
+
+def test_fill_of_a_passed_through_miss_survives_its_close(tiermount, transport: str) -> None:
+    """The reader of a miss passed through to the backing file is often done before its chunks
+    are fetched for the tier; closing it must not drop the fill (as it drops readahead)."""
+    m = tiermount(ram="128MiB", extra=("--transport", "native", "--backing", "parallel", "--chunk-size", "1MiB",
+                                       "-o", "passthrough_misses=true"))
+    needs_passthrough(m)
+    data = write_random(m.backing / "big", 48 * MiB)
+    with open(m.mnt / "big", "rb") as f:
+        assert f.read(10) == data[:10]  # 48 chunks queued, at most 16 in flight; then closed
+    end = time.monotonic() + 60
+    while json.loads(tierfs_cmd("where", str(m.mnt / "big"), "--json").stdout)[0]["resident_bytes"].get("ram", 0) != len(data):
+        assert time.monotonic() < end, "the fill was dropped at close"
+        time.sleep(0.1)
+
+
+def test_writer_after_write_back_shares_the_data_file_its_readers_read(nm: Mount) -> None:
+    """A file written back (clean) while handles still read its data file, which the kernel
+    passes them through to: a later reader joins that data file, and a writer makes the same
+    file dirty again (no ETXTBSY, no copy its readers would not see)."""
+    (nm.mnt / "c").write_bytes(b"a" * 100_000)  # dirty, in the write tier
+    r1 = os.open(nm.mnt / "c", os.O_RDONLY)  # passed through to the data file
+    try:
+        tierfs_cmd("flush", str(nm.mnt))  # written back: clean, r1 still reads the data file
+        r2 = os.open(nm.mnt / "c", os.O_RDONLY)
+        os.close(r1)
+        r1 = -1
+        try:
+            with open(nm.mnt / "c", "r+b") as w:
+                w.write(b"b" * 10)
+                w.flush()
+                assert os.pread(r2, 12, 0) == b"b" * 10 + b"aa"
+        finally:
+            os.close(r2)
+    finally:
+        if r1 >= 0:
+            os.close(r1)
+    s = nm.stats()
+    assert s["transport"]["passthrough_conflicts"] == 0 and s["writeback"]["redirtied"] >= 1
+    tierfs_cmd("flush", str(nm.mnt))
+    assert (nm.backing / "c").read_bytes() == b"b" * 10 + b"a" * 99_990

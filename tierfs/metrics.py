@@ -118,6 +118,7 @@ WRITEBACK: list[Spec] = [
     ("in_place_opens", "writeback_in_place_opens", C,
      "Opens for writing passed through to the tier copy its readers read (written in place)."),
     ("in_place_takes", "writeback_in_place_takes", C, "Times in-place writes were taken in as a dirty copy."),
+    ("redirtied", "writeback_redirtied", C, "Clean files still open made dirty again in their data file."),
     ("leased_files", "writeback_leased_files", G, "Dirty files held by passthrough opens now."),
 ]
 DEVICE: list[Spec] = [

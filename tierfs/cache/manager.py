@@ -81,6 +81,9 @@ class Staged:
     served: int = 0  # bytes handed to readers; a chunk served whole is dropped first
 
 
+MAX_FILLING = 4096  # file keys fill() remembers (their queued chunks survive a close)
+
+
 @dataclass
 class AccessState:
     """Per open handle: which chunk it read last, so one pass over a chunk counts as one access;
@@ -189,6 +192,7 @@ class Cache:
         # Passthrough: leased tier files (tierfs.cache.lease) and the files they pin
         self.leases = LeaseTable()
         self._pinned: dict[str, _FilePin] = {}  # file key -> pin
+        self.filling: OrderedDict[str, None] = OrderedDict()  # file keys queued by fill(), newest last
         self.passthrough_refusals = 0
 
     def attach(self, nursery: trio.Nursery) -> None:
@@ -556,6 +560,18 @@ class Cache:
         return True
 
     # -- prefetch --------------------------------------------------------------------------
+    def fill(self, f: BackingFile) -> int:
+        """Queue every chunk of ``f`` for a tier (speculative: after demand and hinted work,
+        placed only where a tier has room): for a file whose reads the kernel serves from the
+        backing file itself (``passthrough_misses``), which the daemon never sees. Unlike
+        readahead, not dropped when the file is closed (the reader is usually done by the time
+        its chunks are fetched). Returns how many were queued."""
+        self.filling[f.key] = None
+        self.filling.move_to_end(f.key)
+        while len(self.filling) > MAX_FILLING:
+            self.filling.popitem(last=False)
+        return self.prefetch(f, list(range(-(-f.size // self.chunk_size))))
+
     def prefetch(self, f: BackingFile, indexes: list[int], klass: Klass = Klass.SPECULATIVE,
                  deadline: float = float("inf")) -> int:
         """Queue fetches of chunks that are not resident, staged or queued. Returns how many."""

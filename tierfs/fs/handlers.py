@@ -41,7 +41,6 @@ from tierfs.fs.namespace import CONTROL_NAME, Namespace
 from tierfs.io import Device
 from tierfs.predict.readahead import Readahead
 from tierfs.sched.backing import BackingFile
-from tierfs.sched.scheduler import Klass
 from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
@@ -421,11 +420,33 @@ class Handlers:
             # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
             # too: an eager copy-up copied and wrote back whole files nobody changed.
             df = entry.dirty if entry.dirty is not None and entry.dirty.state.value != "clean" else None
+            if df is None:
+                df = await self._join_written_back(entry, writer)
             if df is not None:
                 h.dirty = df
                 self.wb.opened(df, writer)
                 return OpenReply(self.handles.add(h), keep_cache=True)
             return await self._open_backing(entry, h)
+
+    async def _join_written_back(self, entry: InodeEntry, writer: bool) -> DirtyFile | None:
+        """The dirty file a new open of ``entry`` must share: one written back (clean) while
+        handles still read its data file, which the kernel may pass them through to (one
+        backing file per inode), as long as that data file still holds the backing file's
+        bytes (nothing changed behind tierfs' back). A writer makes it dirty again, in that
+        same data file (:meth:`tierfs.writeback.manager.WriteBack.redirty`). None: open the
+        backing file as usual."""
+        path = entry.path
+        if path is None:
+            return None
+        held = self.ns.clean_but_open(entry, path)
+        if held is None:
+            return None
+        if writer:
+            # ``held`` made dirty again if it can; else (the backing file changed behind tierfs'
+            # back) a copy-up of the backing file, which readers of ``held`` do not see
+            return await self.ns.make_dirty(entry, truncate=False)
+        st = await self.meta.run(self.tree.lstat, path)
+        return held if held.clean_as == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) else None
 
     async def _open_backing(self, entry: InodeEntry, h: FileHandle) -> OpenReply:
         """Open of a clean file: its backing file; the page cache is kept unless the backing
@@ -655,7 +676,7 @@ class Handlers:
         tp.kind = "backing"
         self.ns.backing_in_place.add(h.inode)
         self.backing_pt_opens += 1
-        self.cache.prefetch(f, list(range(-(-f.size // self.cache.chunk_size))), Klass.SPECULATIVE)
+        self.cache.fill(f)
         return lease
 
     def _share_tier_copy(self, fh: int, h: FileHandle, tp: _TierPassthrough) -> Lease | None:

@@ -594,6 +594,10 @@ class Namespace:
         st = await self.meta.run(self.tree.lstat, path)
         if not stat.S_ISREG(st.st_mode):
             raise FuseError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
+        held = self.clean_but_open(entry, path)
+        if held is not None and self.wb.redirty(held, st):
+            self.inodes.attach(entry, held)
+            return held
         if truncate or st.st_size == 0:
             df = await self.wb.create(path, st.st_mode, st.st_uid, st.st_gid)
         else:
@@ -638,6 +642,15 @@ class Namespace:
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._dirty_locks.pop(entry.inode, None)
+
+    def clean_but_open(self, entry: InodeEntry, path: bytes) -> DirtyFile | None:
+        """The written-back (clean) dirty file of ``entry`` that open handles still read, if
+        any (:meth:`tierfs.writeback.manager.WriteBack.redirty`)."""
+        for h in self.handles.handles.values():
+            if (isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
+                    and h.dirty.state.value == "clean" and h.dirty.path == path):
+                return h.dirty
+        return None
 
     # -- open backing files ----------------------------------------------------------------
     async def backing_file(self, rel: bytes) -> BackingFile:
@@ -707,8 +720,9 @@ class Namespace:
     def release_backing(self, f: BackingFile) -> None:
         f.opens -= 1
         if f.opens == 0:
-            # Nobody reads on: queued readahead of this file is waste.
-            self.cache.scheduler.cancel_speculative(f.key)
+            # Nobody reads on: queued readahead of this file is waste (not a fill: Cache.fill)
+            if f.key not in self.cache.filling:
+                self.cache.scheduler.cancel_speculative(f.key)
             if self.open_files.get(f.key) is f:
                 del self.open_files[f.key]
         f.release()

@@ -162,6 +162,11 @@ class Journal:
         """A new dirty file at ``path``; returns its id (which names its data file)."""
         return int(self._exec("INSERT INTO dirty (path) VALUES (?)", (path,)).lastrowid or 0)
 
+    def readd(self, id: int, path: bytes) -> None:
+        """A file written back and clean, whose row was removed, dirty again with the same data
+        file (``id`` names it): :meth:`tierfs.writeback.manager.WriteBack.redirty`."""
+        self._exec("INSERT INTO dirty (id, path) VALUES (?, ?)", (id, path))
+
     def set_path(self, id: int, path: bytes | None) -> None:
         self._exec("UPDATE dirty SET path=? WHERE id=?", (path, id))
 

@@ -164,6 +164,9 @@ class DirtyFile:
     lease_writers: int = 0
     pt_written: bool = False
     pt_seen: tuple[int, int, int] | None = None
+    # (st_dev, st_ino, st_size, st_mtime_ns) of the backing file it was written back as, once
+    # clean: while it stays open its data file holds those very bytes (WriteBack.redirty)
+    clean_as: tuple[int, int, int, int] | None = None
     # The write-back index (tierfs.writeback.ready): the ReadyIndex of the table holding this
     # file, its place in that table's order, the version of its entry, and whether it has one
     _ready_ix: ReadyIndex | None = field(default=None, init=False, repr=False)
@@ -298,6 +301,8 @@ class WriteBackStats:
     # file's dirty copy (a copy in the kernel at the writer's fsync or close)
     in_place_opens: int = 0
     in_place_takes: int = 0
+    # clean files still open made dirty again in their own data file (its readers read it)
+    redirtied: int = 0
     leased_files: int = 0  # dirty files with a lease now
 
 
@@ -431,6 +436,7 @@ class WriteBack:
         self.passthrough_changes = 0
         self.passthrough_overrun_bytes = 0
         self.in_place_opens = 0  # counted by the FUSE layer (Handlers.lease)
+        self.redirtied = 0  # clean files still open made dirty again in their data file (redirty)
         self.in_place_takes = 0  # files written in place in a tier file, taken in (take_in_place)
 
     # -- lookup ----------------------------------------------------------------------------
@@ -1384,12 +1390,35 @@ class WriteBack:
             self._failed(df, e)
             return
         df.advance(DirtyState.CLEAN)
+        df.clean_as = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if df.path is not None and self.by_path.get(df.path) is df:
             del self.by_path[df.path]
         if self.on_clean is not None:
             self.on_clean(df, st)
         if df.handles == 0:
             self._release_clean(df)
+
+    def redirty(self, df: DirtyFile, st: os.stat_result) -> bool:
+        """Make a clean file that is still open dirty again, with its own data file, rather than
+        copying the backing file up into a new one: its open handles read that data file (the
+        kernel may pass them through to it, and wants every open of the file on one backing
+        file), so a writer or a truncate must change that very file. Only while the data file
+        holds exactly the backing file it was written back as (``st``: the backing file's
+        ``lstat`` now; a change behind tierfs' back since makes it stale). Journalled again
+        under its id before anything changes. Returns False when it cannot (the caller copies
+        up); raises OSError (ENOSPC: no room for the journal row)."""
+        if (df.state is not DirtyState.CLEAN or df.through or df.fd < 0 or df.close_pending
+                or df.path is None or df.id not in self.files or df.path in self.by_path
+                or df.clean_as != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)):
+            return False
+        self._journal(self.journal.readd, df.id, df.path)
+        if df.in_place:
+            self._journal(self.journal.set_in_place, df.id)
+        self.by_path[df.path] = df
+        df.clean_as = None
+        df.touch()  # CLEAN -> DIRTY, a new generation
+        self.redirtied += 1
+        return True
 
     def _release_clean(self, df: DirtyFile) -> None:
         self._unregister(df)
@@ -1480,5 +1509,6 @@ class WriteBack:
             passthrough_changes=self.passthrough_changes,
             passthrough_overrun_bytes=self.passthrough_overrun_bytes,
             in_place_opens=self.in_place_opens, in_place_takes=self.in_place_takes,
+            redirtied=self.redirtied,
             leased_files=sum(df.leases > 0 for df in self.files.values()),
         )
