@@ -58,6 +58,7 @@ INTERRUPTIBLE = frozenset({c.LOOKUP, c.GETATTR, c.READ, c.READDIR, c.READDIRPLUS
                            c.OPENDIR, c.STATFS, c.GETXATTR, c.LISTXATTR, c.READLINK, c.FSYNC,
                            c.ACCESS})
 NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
+_TASK_NAMES = {op: f"fuse.{name}" for op, name in c.OPCODE_NAMES.items()}  # (not an f-string per request)
 _OPENS = {c.OPEN: 0, c.OPENDIR: 0, c.CREATE: c.ENTRY_HEAD.size + c.ATTR.size}  # where fh is in the reply
 # Replies that count a lookup of the inode they name (nodeid first in the reply): one the kernel
 # did not take (its caller was interrupted meanwhile) is given back, or the inode would be kept
@@ -398,11 +399,16 @@ class NativeSession:
             # task runs: the kernel forgets an open's mode before it sends RELEASE, and an OPEN
             # read after it must not find the old open still counted (a writer would be refused).
             self.pt.released(req.args["fh"])
-        # registered now, not when the task first runs, so that an INTERRUPT read next always finds
-        # it (today every read waits in wait_readable, a checkpoint, so the task has run by then)
-        scope = trio.CancelScope()
-        self._inflight[req.unique] = (op, scope)
-        nursery.start_soon(self._serve, req, handler, scope, name=f"fuse.{c.OPCODE_NAMES.get(op, op)}")
+        # Only a request an interrupt may cancel gets a cancel scope and an entry the INTERRUPT
+        # finds (an interrupt of any other one is ignored, as the protocol allows: it runs to
+        # completion): the scope and the bookkeeping were ~a third of the loop's own cost per
+        # request in a small-file epoch (cProfile), paid by every open and release. Registered
+        # now, not when the task first runs, so that an INTERRUPT read next always finds it.
+        scope = None
+        if op in INTERRUPTIBLE:
+            scope = trio.CancelScope()
+            self._inflight[req.unique] = (op, scope)
+        nursery.start_soon(self._serve, req, handler, scope, name=_TASK_NAMES.get(op, "fuse.?"))
 
     def _interrupt(self, unique: int) -> None:
         self.interrupts += 1
@@ -410,16 +416,19 @@ class NativeSession:
         if got is not None and got[0] in INTERRUPTIBLE:
             got[1].cancel()
 
-    async def _serve(self, req: c.Request, handler: _Handler, scope: trio.CancelScope) -> None:
+    async def _serve(self, req: c.Request, handler: _Handler, scope: trio.CancelScope | None) -> None:
         op = req.opcode
         payload: bytes | list[bytes] | None = None
         err = 0
         try:
-            with scope:
+            if scope is None:
                 payload = await handler(self, req)
-            if scope.cancelled_caught:
-                err = errno.EINTR
-                self.interrupted += 1
+            else:
+                with scope:
+                    payload = await handler(self, req)
+                if scope.cancelled_caught:
+                    err = errno.EINTR
+                    self.interrupted += 1
         except FuseError as e:
             err = e.errno
         except Exception as e:  # noqa: BLE001 - one request fails, never the daemon
@@ -429,7 +438,8 @@ class NativeSession:
                       exc_info=log.isEnabledFor(logging.DEBUG))
             err = errno.EIO
         finally:
-            self._inflight.pop(req.unique, None)
+            if scope is not None:
+                self._inflight.pop(req.unique, None)
             if op == c.WRITE:
                 self._write_bytes -= len(req.args["data"])
                 if self._write_bytes <= MAX_WRITE_BYTES_IN_FLIGHT:
