@@ -19,18 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tierfs.writeback.manager import DirtyFile, DirtyState  # noqa: E402
-from tierfs.writeback.ready import DirtyTable  # noqa: E402
+from tierfs.writeback.manager import DirtyFile  # noqa: E402
+from tierfs.writeback.ready import DirtyTable, scan_choice  # noqa: E402
 
-
-def scan(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
-    """The choice as it was made before the index (tierfs 2026-12-01)."""
-    ready = [df for df in files.values()
-             if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-             and df.retry_at <= now and df.inflight == 0 and df.excl is None
-             and (df.writers == 0 or df.waiters)
-             and (df.durable_gen < df.gen or df.writers == 0)]
-    return min(ready, key=lambda d: d.deadline) if ready else None
+scan = scan_choice  # the choice as it was made before the index: a scan of every dirty file
 
 
 def table(n: int, seed: int) -> DirtyTable:

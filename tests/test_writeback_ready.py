@@ -18,17 +18,9 @@ from tests.test_writeback_inprocess import Disks, backing_bytes, instance
 from tierfs.errors import BackingIOError
 from tierfs.writeback import worker
 from tierfs.writeback.manager import DirtyFile, DirtyState, WriteBack
-from tierfs.writeback.ready import READY_FIELDS, DirtyTable
+from tierfs.writeback.ready import READY_FIELDS, DirtyTable, scan_choice
 
-
-def scan(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
-    """The choice as it was made before the index: a scan of every dirty file (the oracle)."""
-    ready = [df for df in files.values()
-             if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-             and df.retry_at <= now and df.inflight == 0 and df.excl is None
-             and (df.writers == 0 or df.waiters)
-             and (df.durable_gen < df.gen or df.writers == 0)]
-    return min(ready, key=lambda d: d.deadline) if ready else None
+scan = scan_choice  # the choice as it was made before the index: a scan of every dirty file
 
 
 # Small domains, so that ties (equal deadlines), retries coming due and every condition flipping

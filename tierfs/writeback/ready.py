@@ -40,6 +40,19 @@ COMPACT_SLACK = 64  # entries beyond twice the live ones before the heaps are re
 _Entry = tuple[float, int, int, "DirtyFile"]  # (deadline or retry_at, order, version, file)
 
 
+def scan_choice(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
+    """The next file as tierfs chose it before this index, by a scan of every dirty file
+    (its own statement of the conditions, not :func:`is_ready`): the reference the index is
+    tested and benchmarked against (tests/test_writeback_ready.py, bench/bench_next_job.py).
+    Not used by the daemon: O(dirty files) per choice."""
+    ready = [df for df in files.values()
+             if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
+             and df.retry_at <= now and df.inflight == 0 and df.excl is None
+             and (df.writers == 0 or df.waiters)
+             and (df.durable_gen < df.gen or df.writers == 0)]
+    return min(ready, key=lambda d: d.deadline) if ready else None
+
+
 def is_ready(df: DirtyFile) -> bool:
     """Ready for write-back, whatever the time (``retry_at`` is not looked at)."""
     return (df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
