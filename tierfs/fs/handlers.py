@@ -175,8 +175,6 @@ class Handlers:
         # itself, at its speed, while the cache fills a tier in the background
         self.backing_passthrough = False
         self.backing_leases = LeaseTable(close=lambda fd: None)  # the fds are the open BackingFiles'
-        self.backing_pt_opens = 0
-        self.backing_pt_writers = 0
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -650,6 +648,8 @@ class Handlers:
                         lease.release()
                         return self._share_tier_copy(fh, h, self.tier_passthrough[h.inode])
                     self.tier_passthrough[h.inode] = tp
+                    if tp.kind == "backing":  # its truncates go to the backing file (Namespace)
+                        self.ns.backing_in_place.add(h.inode)
             if fh not in self.handles.handles:  # released while we waited
                 if lease is not None:
                     lease.release()
@@ -674,8 +674,6 @@ class Handlers:
             lease = self.backing_leases.finish(lkey, f.fd, tier="backing", size=f.size,
                                                writable=False, on_release=on_release)
         tp.kind = "backing"
-        self.ns.backing_in_place.add(h.inode)
-        self.backing_pt_opens += 1
         self.cache.fill(f)
         return lease
 
@@ -691,10 +689,8 @@ class Handlers:
             if lease is None:
                 return None
             tp.handles += 1
-            self.backing_pt_opens += 1
             if h.writer:  # writes the backing file in place: see _after_passthrough
                 tp.written = True
-                self.backing_pt_writers += 1
             h.lease = lease
             return lease
         lease = self.cache.share_lease(tp.lkey, writable=h.writer, on_release=on_release)
