@@ -563,6 +563,12 @@ class Namespace:
             if entry.dirty is not None:
                 await self.wb.set_attrs(entry.dirty, mode=mode, uid=uid, gid=gid, times=times)
             else:
+                if times is not None:
+                    # A directory's times set while a write-back commits a file into it: the
+                    # commit gives the directory back the times it read before its rename (in
+                    # another thread), which would undo these (tar -x sets them right after
+                    # closing the last file). Set them once those commits are done.
+                    await self.wb.settle_dir(self.inodes.rel(entry))
                 await self.meta.run(_setattr_backing, self.tree, self.inodes.rel(entry),
                                     mode, uid, gid, times)
         return await self.entry_attrs(entry)
