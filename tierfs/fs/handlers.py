@@ -111,14 +111,12 @@ class _TierPassthrough:
     file's tier copy, leased from the cache): every further open of it, reader or writer,
     must pass through to that same file while any remains open (the kernel wants one backing
     file per inode; a writer then writes the tier file *in place*, taken in at its release).
-    ``handles``: handles holding a lease of it; ``written``: a writer shared it (or a truncate
-    reached it) since it was leased; ``fd``: the lease's descriptor (attributes)."""
+    ``handles``: handles holding a lease of it; ``fd``: the lease's descriptor (attributes)."""
 
     lkey: Hashable
     file_key: str
     fd: int
     handles: int = 0
-    written: bool = False
     kind: str = "tier"  # or "backing": the backing file itself (a miss on a parallel store)
     # (size, mtime_ns, ctime_ns) of the tier file when leased, or when last taken in: a
     # writer that changed nothing (sqlite and np.memmap open O_RDWR to read) costs no copy
@@ -390,7 +388,6 @@ class Handlers:
         tp = self.tier_passthrough.get(inode)
         if tp is None or tp.kind == "backing":  # (the backing file itself: Namespace truncated it)
             return
-        tp.written = True
         tp.trust_times = False  # taken in at the next writer's release whatever the times say
         self.ns.written_in_place[inode] = (tp.fd, tp.seen)
         await self.cache.truncate_leased(tp.lkey, size)
@@ -689,8 +686,6 @@ class Handlers:
             if lease is None:
                 return None
             tp.handles += 1
-            if h.writer:  # writes the backing file in place: see _after_passthrough
-                tp.written = True
             h.lease = lease
             return lease
         lease = self.cache.share_lease(tp.lkey, writable=h.writer, on_release=on_release)
@@ -698,7 +693,6 @@ class Handlers:
             return None
         tp.handles += 1
         if h.writer:
-            tp.written = True
             self.ns.written_in_place[h.inode] = (tp.fd, tp.seen)
             self.wb.in_place_opens += 1
         h.lease = lease
