@@ -45,7 +45,7 @@ DEAD = (errno.ENOTCONN, errno.ECONNABORTED)
 
 # -- the checkpoint worker ---------------------------------------------------------------------
 WORKER = r"""
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 import torch
 
 torch.set_num_threads(1)
@@ -61,12 +61,17 @@ def make(width):
 models = {}
 
 class Hashing:
-    def __init__(self, f):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
+    def __init__(self, f, pause_at=None):
+        self.f, self.h, self.n, self.pause_at = f, hashlib.sha256(), 0, pause_at
     def write(self, b):
         self.h.update(b)
         self.n += len(b)
-        return self.f.write(b)
+        r = self.f.write(b)
+        if self.pause_at is not None and self.n >= self.pause_at:
+            self.f.flush()  # what was written reaches the filesystem; then wait to be killed
+            say(paused=True, written=self.n)
+            time.sleep(3600)
+        return r
     def flush(self):
         self.f.flush()
 
@@ -93,7 +98,7 @@ for line in sys.stdin:
             dest = req["tmp"] if req["mode"] == "replace" else target
             say(started=True)
             with open(dest, "wb") as f:
-                hf = Hashing(f)
+                hf = Hashing(f, req.get("pause_at"))
                 torch.save(obj, hf)
                 if req.get("fsync"):
                     f.flush()
@@ -436,13 +441,17 @@ def test_c12_writer_killed_mid_save(tiermount, tmp_path: Path) -> None:
         tierfs_cmd("flush", str(m.mnt))
         old = sha_file(target)
         for mode in ("replace", "overwrite"):
-            w.send(op="save", path=str(target), tmp=str(target) + ".tmp", mode=mode, width=3072)
+            # killed mid-save for certain: the worker stops once 8 MiB of the ~40 MiB are written
+            # (a kill after a fixed sleep missed on a fast mount: the save had finished)
+            w.send(op="save", path=str(target), tmp=str(target) + ".tmp", mode=mode, width=3072,
+                   pause_at=8 * MiB)
             assert w.get().get("started")
-            time.sleep(0.05)
+            assert w.get().get("paused")
             w.proc.kill()
             w.close()
             if mode == "replace":
                 assert sha_file(target) == old
+                assert (m.mnt / "c12" / "last.ckpt.tmp").stat().st_size >= 8 * MiB
             else:  # the killed overwrite leaves the name, its size that of its readable bytes
                 assert len(target.read_bytes()) == target.stat().st_size
             tierfs_cmd("flush", str(m.mnt))

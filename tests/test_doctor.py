@@ -38,7 +38,7 @@ def doctor(mnt: Path) -> tuple[int, dict[str, list[str]]]:
 
 def test_healthy_mount(tiermount, tmp_path: Path) -> None:
     write_random(tmp_path / "back" / "f", 5 * MiB)
-    m = tiermount(ram="32MiB", ssd="64MiB")
+    m = tiermount(ram="32MiB", ssd="64MiB", extra=("--backing", "auto"))  # (the fixture's is hdd)
     (m.mnt / "f").read_bytes()
     (m.mnt / "w").write_bytes(b"w" * 1000)
     rc, found = doctor(m.mnt)

@@ -75,6 +75,8 @@ def test_shards_read_in_name_order_are_prefetched_across_files(tiermount, tmp_pa
         with open(p, "rb") as f:
             while f.read(256 * 1024):
                 pass
+    # a resident shard's open passes through (native transport): the daemon sees no read
+    # reach its end, and predicts the next shard at that open instead
     pred = m.stats()["hints"]["next_file_predictions"]
-    assert pred["right"] >= 3 and pred["wrong"] == 0, pred
-    assert found_ahead >= 3
+    assert pred["right"] >= 4 and pred["wrong"] == 0, (pred, found_ahead)
+    assert found_ahead >= 4

@@ -10,6 +10,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
@@ -110,5 +111,34 @@ async def test_chunk_being_read_is_not_evicted_for_prefetch(tmp_path: Path, auto
         assert not twice, f"fetched more than once: {twice}"
         assert sum(rig.reads.values()) == 2 * len(names)
         assert rig.cache.check() == []
+        n.cancel_scope.cancel()
+    rig.close()
+
+
+async def test_a_large_plans_counts_are_made_by_the_loop_in_slices(tmp_path: Path, autojump_clock,  # type: ignore[no-untyped-def]
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats.json of a plan over STATS_INLINE_CHUNKS occurrences: the resident and remaining
+    bytes are the service loop's last count (paced, not one step of the FUSE request that reads
+    stats.json), equal to the inline count once made, and say how old they are."""
+    from tierfs.predict import hints as hints_mod
+
+    names = [f"f{i}" for i in range(8)]
+    rig = Rig(tmp_path, names, chunks=2, ram_chunks=4)
+    async with trio.open_nursery() as n:
+        rig.cache.attach(n)
+        await n.start(rig.sched.run)
+        await n.start(rig.hints.run)
+        await rig.hints.handle({"op": "epoch", "paths": names * 3, "source": "t"})
+        await _settle(rig)
+        inline = rig.hints.statistics()
+        assert inline["counts_age_s"] == 0.0 and inline["resident_bytes"] == 4 * CS
+        assert inline["to_fetch_bytes"] == 12 * CS
+        monkeypatch.setattr(hints_mod, "STATS_INLINE_CHUNKS", 10)  # 48 occurrences: "large"
+        first = rig.hints.statistics()
+        assert first["counts_age_s"] is None and first["resident_bytes"] == 0  # not counted yet
+        await _settle(rig, 0.5)
+        later = rig.hints.statistics()
+        assert later["counts_age_s"] is not None and later["counts_age_s"] <= hints_mod.SUMMARY_MAX_AGE_S
+        assert (later["resident_bytes"], later["to_fetch_bytes"]) == (inline["resident_bytes"], inline["to_fetch_bytes"])
         n.cancel_scope.cancel()
     rig.close()

@@ -166,6 +166,69 @@ async def test_lease_pins_against_promotion_evict_and_drop(tmp_path: Path, autoj
     cache.close()
 
 
+async def test_kept_lease_yields_to_eviction_drop_and_evict(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """A lease kept after a file's opens closed (Cache.keep_lease: the next open then costs no
+    tier open nor kernel registration) pins the file like an open's lease while opens share
+    it, and lets go as soon as the cache wants the file: eviction under churn, ``tierfs
+    evict``, a changed backing file. An open lease beside it still pins."""
+    cache, sched, _ = make_cache(tmp_path, ram=4 * CS, ssd=0, policy="lru")
+    a, b, c = bfile(1, CS - 100), bfile(2, CS // 2), bfile(3, CS // 3)
+    others = [bfile(i, CS) for i in range(10, 16)]
+    revoked: list[str] = []
+
+    def keeper(f, lease_box):  # type: ignore[no-untyped-def]
+        def revoke() -> None:
+            revoked.append(f.key)
+            cache.unkeep(f.key)
+            lease_box.pop().release()
+        return revoke
+
+    async def keep(f):  # type: ignore[no-untyped-def]
+        await read_whole(cache, f)
+        await settle(cache)
+        opened = await cache.lease_resident(f)
+        assert opened is not None
+        box: list = []
+        kept = cache.keep_lease(opened.key, keeper(f, box))
+        assert kept is not None and kept.fd == opened.fd
+        box.append(kept)
+        return opened, box
+
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        ram = cache.tiers[0]
+        # eviction: kept alone, it yields; with an open lease beside it, it stays
+        opened, box = await keep(a)
+        opened.release()  # the open closed: only the kept lease holds it
+        assert cache.is_leased(a.key) and ram.passthrough_opens == 1
+        again = cache.reuse_kept(box[0].key, a)  # the next open: counted, same descriptor
+        assert again is not None and again.fd == box[0].fd and ram.passthrough_opens == 2
+        for f in others:
+            await read_whole(cache, f)
+            await settle(cache)
+        assert _tiers_of(cache, a.key) == {0} and revoked == []  # an open lease pins it
+        again.release()
+        for f in others:
+            await read_whole(cache, f)
+            await settle(cache)
+        assert revoked == [a.key] and not cache.is_leased(a.key) and box == []
+        assert 0 not in _tiers_of(cache, a.key) and cache.check() == []
+        # tierfs evict, and a backing file changed behind tierfs' back
+        opened, box_b = await keep(b)
+        opened.release()
+        assert await cache.evict_chunks([(b.key, 0)]) == (1, b.size)
+        assert revoked[-1] == b.key and cache.catalog.chunks_of(b.key) == []
+        opened, box_c = await keep(c)
+        opened.release()
+        await cache.drop_file(c.key)
+        assert revoked[-1] == c.key and cache.catalog.chunks_of(c.key) == [] and not cache.is_leased(c.key)
+        assert cache.reuse_kept(("tier", "ram", c.key), c) is None
+        assert ram.leased_files == 0 and cache.check() == []
+        n.cancel_scope.cancel()
+    cache.close()
+
+
 async def test_concurrent_leases_share_one_descriptor(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
     cache, sched, _ = make_cache(tmp_path, ram=8 * CS, ssd=0)
     f = bfile(1, 3 * CS)

@@ -42,3 +42,25 @@ def test_daemon_without_the_watch_reports_null(tmp_path: Path, monkeypatch: pyte
         assert m.stats()["loop"] is None
     finally:
         force_unmount(m)
+
+
+@pytest.mark.parametrize(("offenders", "over", "worst", "fatal"), [
+    ({"pyfuse @ ? -> end": (1, 57.8)}, 1, 57.8, False),  # one lone step under twice the bound
+    ({"pyfuse [forget] @ ? -> end": (2, 51.0)}, 2, 51.0, True),  # one place, twice
+    ({"a": (1, 51.0), "b": (1, 52.0), "c": (1, 53.0)}, 3, 53.0, True),  # three steps
+    ({"a": (1, 100.0)}, 1, 100.0, True),  # twice the bound
+])
+def test_which_blocked_loops_fail_a_test(monkeypatch: pytest.MonkeyPatch, offenders: dict, over: int,
+                                         worst: float, fatal: bool) -> None:
+    loop = {"bound_ms": 50.0, "steps": 1000, "over": over, "worst_ms": worst,
+            "offenders": {k: {"count": c, "worst_ms": w, "worst_cpu_ms": w} for k, (c, w) in offenders.items()}}
+    monkeypatch.setattr(Mount, "stats", lambda self: {"loop": loop})
+    monkeypatch.setattr(conftest, "LOOP_STRICT", True)
+    blocked = conftest.loop_offenders(Mount(Path("/b"), Path("/m"), None))
+    assert blocked is not None and blocked.fatal is fatal
+    if fatal:
+        with pytest.raises(AssertionError, match="blocked longer than 50 ms"):
+            conftest.fail_on_blocked_loop(blocked)
+    else:
+        with pytest.warns(UserWarning, match="blocked longer than 50 ms"):
+            conftest.fail_on_blocked_loop(blocked)

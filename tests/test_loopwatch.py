@@ -114,3 +114,25 @@ def test_reads_this_threads_run_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = LoopWatch(0.050)
     first = watch._run_delay_ns()
     assert first >= 0 and watch._run_delay_ns() >= first
+
+
+def test_a_step_paused_by_the_collector_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cyclic collector runs inside whatever step allocated last: a step over the bound
+    mostly spent collecting is named "(in gc)", and collections are summed apart."""
+    clock = StepClock()
+    monkeypatch.setattr(loopwatch.time, "perf_counter", clock)
+    watch = LoopWatch(0.010)
+
+    async def stepper() -> None:
+        for collect, work in ((0.030, 0.002), (0.001, 0.020)):
+            watch.on_gc("start", {"generation": 2})
+            clock.now += collect
+            watch.on_gc("stop", {"generation": 2})
+            clock.now += work
+            await trio.lowlevel.checkpoint()
+
+    trio.run(stepper, instruments=[watch])
+    st = watch.statistics()
+    assert st.over == 2
+    assert st.gc_ms == pytest.approx(31.0) and st.gc_worst_ms == pytest.approx(30.0)
+    assert sorted(w.endswith("(in gc)") for w in st.offenders) == [False, True]

@@ -163,6 +163,51 @@ def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
 
 
+def test_small_resident_file_keeps_its_registration_between_opens(nm: Mount) -> None:
+    """A small file read over and over (a small-file epoch) keeps its tier copy leased and its
+    backing id registered after its last close: the next open costs no tier open and no
+    FUSE_DEV_IOC_BACKING_OPEN. What is kept never outlives what it stands for: a change behind
+    tierfs' back, a writer and ``tierfs evict`` each let it go, and every read sees the file."""
+    data = write_random(nm.backing / "img.jpg", 200 * 1024)
+    make_resident(nm, "img.jpg", len(data))
+    assert (nm.mnt / "img.jpg").read_bytes() == data  # the first open that passes through
+    t0 = transport_stats(nm)
+    for _ in range(3):
+        assert (nm.mnt / "img.jpg").read_bytes() == data
+    s = nm.stats()
+    t1 = s["transport"]
+    assert t1["backing_registrations"] == t0["backing_registrations"]
+    assert t1["kept_backing_reuses"] == t0["kept_backing_reuses"] + 3
+    assert t1["kept_backing_ids"] == 1 and t1["backing_ids"] == 0 and s["fuse"]["kept_passthrough"] == 1
+    assert s["fuse"]["kept_passthrough_reuses"] >= 3
+
+    # changed behind tierfs' back: the next open reads the new bytes (not the kept copy)
+    new = bytes(b ^ 0xFF for b in data[:4096]) + data[4096:]
+    (nm.backing / "img.jpg").write_bytes(new)
+    os.utime(nm.backing / "img.jpg", ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert (nm.mnt / "img.jpg").read_bytes() == new
+    make_resident(nm, "img.jpg", len(new))
+    assert (nm.mnt / "img.jpg").read_bytes() == new
+
+    # a writer: its bytes are what the next reader sees
+    with open(nm.mnt / "img.jpg", "r+b") as w:
+        w.write(b"written")
+    assert (nm.mnt / "img.jpg").read_bytes() == b"written" + new[7:]
+    wait_for(lambda: (nm.backing / "img.jpg").read_bytes()[:7] == b"written", "write-back of img.jpg")
+
+    # evicted: the kept lease and registration go with it
+    data2 = write_random(nm.backing / "b.jpg", 100 * 1024, seed=2)
+    make_resident(nm, "b.jpg", len(data2))
+    assert (nm.mnt / "b.jpg").read_bytes() == data2
+    kept = nm.stats()["fuse"]["kept_passthrough"]
+    assert kept >= 1
+    tierfs_cmd("evict", str(nm.mnt / "b.jpg"))
+    assert nm.stats()["fuse"]["kept_passthrough"] == kept - 1
+    r = tierfs_cmd("where", str(nm.mnt / "b.jpg"), "--json")
+    assert json.loads(r.stdout)[0]["resident_bytes"].get("ram", 0) == 0
+    assert (nm.mnt / "b.jpg").read_bytes() == data2
+
+
 def fcntl_accmode(fd: int) -> int:
     import fcntl
 
@@ -452,8 +497,7 @@ def test_lmdb_writer_beside_readers_of_a_resident_database(nm: Mount, writemap: 
 # -- misses passed through to the backing file (passthrough_misses, parallel profile) -------------
 @pytest.fixture
 def bm(tiermount, transport: str) -> Mount:  # type: ignore[no-untyped-def]
-    m = tiermount(ram="128MiB", extra=("--transport", "native", "--backing", "parallel",
-                                       "-o", "passthrough_misses=true"))
+    m = tiermount(ram="128MiB", extra=("--transport", "native", "--backing", "parallel"))  # (the default)
     needs_passthrough(m)
     return m
 
@@ -463,12 +507,43 @@ def test_miss_is_read_from_the_backing_file_and_fills_the_tier(bm: Mount) -> Non
     assert (bm.mnt / "m").read_bytes() == data
     s = bm.stats()
     assert s["fuse"]["read_requests"] == 0 and s["transport"]["passthrough_opens_by_tier"] == {"backing": 1}
+    assert s["transport"]["passthrough_misses"] is True
     end = time.monotonic() + 30
     while json.loads(tierfs_cmd("where", str(bm.mnt / "m"), "--json").stdout)[0]["resident_bytes"].get("ram", 0) != len(data):
         assert time.monotonic() < end, "the tier was not filled in the background"
         time.sleep(0.05)
     assert (bm.mnt / "m").read_bytes() == data  # now from the RAM tier
     assert bm.stats()["transport"]["passthrough_opens_by_tier"].get("ram") == 1
+
+
+def page_cached_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (mincore(2), by util-linux ``fincore``)."""
+    r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                       capture_output=True, text=True, check=True)
+    return int(r.stdout.strip())
+
+
+def test_the_fill_leaves_the_page_cache_of_readers_passing_through(bm: Mount) -> None:
+    """A reader of a miss reads the backing file itself (passthrough); the daemon fills the
+    tier from it once the reader closes, and more readers may come meanwhile: the fill must
+    not drop the backing file's pages (``POSIX_FADV_DONTNEED``, what it does after the
+    daemon's own reads), or they read again from the store what is in its page cache."""
+    data = write_random(bm.backing / "pc", 8 * MiB)
+    fd = os.open(bm.backing / "pc", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if page_cached_bytes(bm.backing / "pc") > MiB:
+        pytest.skip("the backing directory's filesystem keeps its pages (tmpfs?)")
+    assert (bm.mnt / "pc").read_bytes() == data
+    end = time.monotonic() + 30
+    while json.loads(tierfs_cmd("where", str(bm.mnt / "pc"), "--json").stdout)[0]["resident_bytes"].get("ram", 0) != len(data):
+        assert time.monotonic() < end, "the tier was not filled in the background"
+        time.sleep(0.05)
+    assert bm.stats()["transport"]["passthrough_opens_by_tier"] == {"backing": 1}
+    assert page_cached_bytes(bm.backing / "pc") == len(data)
 
 
 def test_writer_beside_backing_readers_writes_the_backing_file_in_place(bm: Mount) -> None:
@@ -504,6 +579,28 @@ def test_truncates_beside_backing_readers_reach_the_backing_file(bm: Mount) -> N
     assert bm.stats()["writeback"]["dirty_files"] == 0
 
 
+def test_misses_the_tiers_cannot_hold_or_asked_off_are_served_by_the_daemon(tiermount, transport: str) -> None:
+    """A file larger than the tiers together is not passed through (its whole file would be
+    queued for a tier at every open, for a random reader of a store-sized file); nor is any
+    miss with ``passthrough_misses=false``."""
+    small = tiermount(ram="16MiB", extra=("--transport", "native", "--backing", "parallel", "--chunk-size", "1MiB"))
+    needs_passthrough(small)
+    big = write_random(small.backing / "big", 17 * MiB)
+    fits = write_random(small.backing / "fits", MiB, seed=2)
+    with open(small.mnt / "big", "rb") as f:
+        assert f.read(MiB) == big[:MiB]
+    assert (small.mnt / "fits").read_bytes() == fits
+    s = small.stats()
+    assert s["fuse"]["read_requests"] > 0 and s["transport"]["passthrough_opens_by_tier"].get("backing") == 1
+    small.stop()
+    off = tiermount(ram="64MiB", name="off", extra=("--transport", "native", "--backing", "parallel",
+                                                   "-o", "passthrough_misses=false"))
+    assert (off.mnt / "fits").read_bytes() == fits
+    s = off.stats()
+    assert s["fuse"]["read_requests"] > 0 and "backing" not in s["transport"]["passthrough_opens_by_tier"]
+    assert s["transport"]["passthrough_misses"] is False
+
+
 def test_hdd_profile_never_passes_misses_through(tiermount, transport: str) -> None:
     m = tiermount(ram="64MiB", extra=("--transport", "native", "--backing", "hdd", "-o", "passthrough_misses=true"))
     needs_passthrough(m)
@@ -511,6 +608,7 @@ def test_hdd_profile_never_passes_misses_through(tiermount, transport: str) -> N
     assert (m.mnt / "h").read_bytes() == data
     s = m.stats()
     assert s["fuse"]["read_requests"] > 0 and "backing" not in s["transport"]["passthrough_opens_by_tier"]
+    assert s["transport"]["passthrough_misses"] is False
 
 
 def test_a_read_only_close_costs_no_flush_round_trip(nm: Mount) -> None:
@@ -637,3 +735,21 @@ def test_writer_after_write_back_shares_the_data_file_its_readers_read(nm: Mount
     assert s["transport"]["passthrough_conflicts"] == 0 and s["writeback"]["redirtied"] >= 1
     tierfs_cmd("flush", str(nm.mnt))
     assert (nm.backing / "c").read_bytes() == b"b" * 10 + b"a" * 99_990
+
+
+def test_the_fill_waits_for_the_last_reader_passing_through(bm: Mount) -> None:
+    """The tier is filled once the readers of a miss close, from the page cache they leave,
+    not beside them (where it competed with them for the store and the CPU)."""
+    data = write_random(bm.backing / "late", 3 * MiB)
+
+    def ram() -> int:
+        return json.loads(tierfs_cmd("where", str(bm.mnt / "late"), "--json").stdout)[0]["resident_bytes"].get("ram", 0)
+
+    with open(bm.mnt / "late", "rb") as a, open(bm.mnt / "late", "rb") as b:
+        assert a.read() == data and b.read(10) == data[:10]
+        time.sleep(0.5)
+        assert ram() == 0
+    end = time.monotonic() + 30
+    while ram() != len(data):
+        assert time.monotonic() < end, "the tier was not filled after the last close"
+        time.sleep(0.05)

@@ -294,6 +294,42 @@ def test_interrupt_cancels_and_answers_eintr():
     assert s.interrupts == 2 and s.interrupted == 1
 
 
+def test_workers_grow_with_blocked_requests_and_shrink_after():
+    """Requests are served by a pool of workers: fifty reads blocked at once each hold one,
+    and a getattr behind them is still answered (a worker is started whenever none is left
+    to read); once they are done, idle workers beyond MAX_IDLE_WORKERS end."""
+    async def script(peer, stub):
+        await peer.reply()
+        for k in range(50):
+            await peer.send(req(c.READ, c._READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), unique=100 + k))
+        await trio.testing.wait_all_tasks_blocked()
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=99, nodeid=5))
+        assert (await peer.reply())[:2] == (99, 0)
+        for k in range(50):
+            await peer.send(req(c.INTERRUPT, struct.pack("<Q", 100 + k), unique=200 + k))
+        got = sorted([(await peer.reply())[:2] for _ in range(50)])
+        assert got == [(100 + k, errno.EINTR) for k in range(50)]
+        await trio.testing.wait_all_tasks_blocked()
+        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+
+    seen: list[tuple[int, int]] = []
+    s_ref: list = []
+    real_init = native.NativeSession.__init__
+
+    def init(self, *a, **k):  # type: ignore[no-untyped-def]
+        real_init(self, *a, **k)
+        s_ref.append(self)
+
+    native.NativeSession.__init__ = init  # type: ignore[method-assign]
+    try:
+        s, _ = _run(script)
+    finally:
+        native.NativeSession.__init__ = real_init  # type: ignore[method-assign]
+    peak, after = seen[0]
+    assert peak > 50 and after <= native.MAX_IDLE_WORKERS + 1
+    assert s.interrupted == 50
+
+
 def test_forget_storm():
     items = [(i, 1) for i in range(2, 4002)]
 

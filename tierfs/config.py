@@ -191,12 +191,13 @@ OPTIONS: tuple[Option, ...] = (
            "written, in the write tier (checkpoints at the tier's speed); an open for writing of a "
            "file whose readers read its tier copy writes that copy in place, taken in at fsync "
            "and close; writes: written files only; off: none"),
-    Option("passthrough_misses", _bool, False, "native transport with passthrough, parallel backing "
-           "profile: a file not resident in a tier is read by the kernel straight from the "
-           "backing store (a first epoch at the store's speed) while the cache fills a tier in the "
-           "background; a writer beside such readers writes the backing file in place (no "
-           "write-back), as through bindfs. Never on the hdd profile (the scheduler serializes "
-           "every HDD access)"),
+    Option("passthrough_misses", _bool, True, "native transport with passthrough, parallel backing "
+           "profile: a file not resident in a tier (and no larger than the tiers together) is read "
+           "by the kernel straight from the backing store (a first epoch at the store's speed) "
+           "and the cache fills a tier from it in the background once its readers close (from the "
+           "page cache they leave); a writer beside such readers writes "
+           "the backing file in place (no write-back), as through bindfs. Never on the hdd profile "
+           "(the scheduler serializes every HDD access); false: misses are read through the daemon"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -206,7 +207,10 @@ OPTIONS: tuple[Option, ...] = (
            "bounded"),
     Option("read_ahead_kb", _int_range(0, 1 << 20), 1024, "KiB: kernel readahead of the mount, set "
            "after mounting (1024 makes the kernel send 1 MiB reads); 0 leaves the kernel default"),
-    Option("attr_timeout", _duration, 1.0, "seconds the kernel caches attributes and directory entries"),
+    Option("attr_timeout", _duration, 60.0, "seconds the kernel caches attributes and directory "
+           "entries. Every open still sees a change made behind tierfs' back (the daemon checks the "
+           "backing file at each open); only stat of such a file may show its old attributes this "
+           "long. 0: every stat and path lookup asks the daemon"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "info", "daemon log level"),
     Option("log_file", _str, "", "where the daemon logs: a file; 'syslog' (/dev/log, which journald "
            "also serves) or 'syslog:SOCKET'; 'stderr'. Default: /run/tierfs/<mount id>/daemon.log "
@@ -242,11 +246,11 @@ class Config:
     fsync: str = "tier"
     transport: str = "auto"
     passthrough: str = "on"
-    passthrough_misses: bool = False
+    passthrough_misses: bool = True
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024
-    attr_timeout: float = 1.0
+    attr_timeout: float = 60.0
     log_level: str = "info"
     log_file: str = ""
     metrics_port: int = 0

@@ -294,6 +294,8 @@ def _check_transport(t: dict[str, Any] | None) -> Finding:
     if name == "native" and t.get("passthrough"):
         what += (f"; {t.get('passthrough_opens', 0)} opens passed through "
                  f"({format_size(t.get('passthrough_bytes', 0))})")
+        if t.get("passthrough_misses"):
+            what += "; misses read straight from the backing store"
     if t.get("unexpected_errors"):
         return Finding("problem", "transport", f"{what}; {t['unexpected_errors']} requests failed with an "
                                                "unexpected error (answered EIO): see the daemon's log")

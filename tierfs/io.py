@@ -46,8 +46,9 @@ class Device:
 
     ``inline_under`` (seconds, or None): calls run on the event loop itself while an
     exponentially weighted mean of their durations (weight ``EWMA_WEIGHT``) stays under this
-    and no single call took ``SPIKE_FACTOR`` times as long; otherwise all calls go to threads
-    for ``thread_period`` seconds, after which inline is tried again. For backing-store
+    and no call took ``SPIKE_FACTOR`` times as long (one that slept: two within
+    ``CONFIRM_CALLS`` calls); otherwise all calls go to threads for ``thread_period`` seconds,
+    after which inline is tried again. For backing-store
     metadata this measured 4x faster ``ls -lR`` (1.05 s -> 0.26 s for 1000 files: a thread hop
     costs more than a cached ``lstat``), while a cold HDD lookup (~10 ms) costs the loop one
     stall. For writes into the write tier, one call slowed by the kernel's dirty-page throttling
@@ -58,9 +59,14 @@ class Device:
     THREAD_PERIOD_S = 30.0
     EWMA_WEIGHT = 0.1
     SPIKE_FACTOR = 10.0
+    CONFIRM_CALLS = 64  # a slow call that slept sends calls to threads if another did within these
 
     def __init__(self, name: str, depth: int, *, inline_under: float | None = None,
-                 thread_period: float = THREAD_PERIOD_S) -> None:
+                 thread_period: float = THREAD_PERIOD_S, yield_every: int = 1) -> None:
+        """``yield_every``: inline calls between two yields to the scheduler (1: each call).
+        Metadata calls (~10-30 us each) yield every 8th; data calls (a chunk written into the
+        write tier, ~1-5 ms) at each one."""
+        self.yield_every = yield_every
         self.name = name
         self.limiter = trio.CapacityLimiter(depth)
         self.inline_under = inline_under
@@ -70,13 +76,24 @@ class Device:
         self.inline_calls = 0
         self.thread_calls = 0
         self.slow_inline_calls = 0
+        self._unyielded = 0
+        self._spike_call = -(1 << 30)  # inline_calls at the last unconfirmed spike
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run blocking ``fn(*args)``: in a worker thread under this device's limiter, or
         inline while measured cheap (see the class docstring)."""
         if self.inline_under is not None:
             if time.monotonic() >= self._threads_until:
-                await trio.lowlevel.checkpoint()
+                self._unyielded += 1
+                if self._unyielded >= self.yield_every:
+                    self._unyielded = 0
+                    await trio.lowlevel.checkpoint()
+                else:
+                    # A cancel is seen here as at any checkpoint, but the other tasks do not
+                    # run: yielding at every inline call cost a request ~30 us of latency (the
+                    # loop polls epoll and runs the transport's next reader before the call),
+                    # a third of a lookup's round trip; every yield_every-th call still yields
+                    await trio.lowlevel.checkpoint_if_cancelled()
                 # timed from here, not from before the checkpoint: other tasks run there, and
                 # their time was charged to this call (every call under load looked slow)
                 now = time.monotonic()
@@ -86,17 +103,31 @@ class Device:
                     return fn(*args)
                 finally:
                     took = time.monotonic() - now
+                    slept = True
                     if took > self.inline_under and _voluntary_switches() == switches:
                         # it never slept (no I/O wait): the wall time beyond its CPU time was
                         # preemption by other processes (a loaded machine: DataLoader workers
                         # on every core), which a thread would suffer too and then add a
                         # hand-off; charge the CPU time it held the loop for
                         took = time.thread_time() - cpu
+                        slept = False
                     self.inline_calls += 1
-                    self._mean_s += self.EWMA_WEIGHT * (took - self._mean_s)
+                    spike_at = self.SPIKE_FACTOR * self.inline_under
+                    # one outlier moves the mean by at most half the limit: alone it is judged
+                    # as a spike, below
+                    self._mean_s += self.EWMA_WEIGHT * (min(took, spike_at / 2) - self._mean_s)
+                    spike = took > spike_at
                     if took > self.inline_under:
                         self.slow_inline_calls += 1
-                    if self._mean_s > self.inline_under or took > self.SPIKE_FACTOR * self.inline_under:
+                    if spike and slept and self.inline_calls - self._spike_call > self.CONFIRM_CALLS:
+                        # A call that slept that long is a slow device (a cold HDD lookup) or
+                        # a short sleep followed by a long wait for a CPU (4 DataLoader workers
+                        # on 2 cores): only a second one soon after says which. One such stall
+                        # sent every call to threads for 30 s, and a small-file epoch to a
+                        # third of its speed (2,100 instead of 6,000 files/s)
+                        self._spike_call = self.inline_calls
+                        spike = False
+                    if self._mean_s > self.inline_under or spike:
                         self._threads_until = now + took + self.thread_period
                         self._mean_s = 0.0
         self.thread_calls += 1

@@ -48,7 +48,8 @@ WHOLE_CHUNK_AFTER = 2  # random touches of a chunk before it is fetched whole
 def _pread_range(f: BackingFile, offset: int, length: int) -> bytes:
     """A partial (uncached) read of a backing file, in the backing device thread."""
     data = pread_exact(f.fd, min(length, max(0, f.size - offset)), offset)
-    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
+    if not f.kernel_reads:
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
     return data
 
 
@@ -62,8 +63,12 @@ def _copy_checked(f: BackingFile, tier: Tier, offset: int, length: int) -> bool:
         # device at once, as many requests in flight as the store takes.
         os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_WILLNEED)
     n = tier.copy_in(f.key, offset, f.fd, length, f.identity.dev)
-    # the bytes live in the tier now: the backing store's page cache need not keep a copy
-    os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
+    # The bytes live in the tier now: the backing store's page cache need not keep a copy,
+    # unless readers pass through to the backing file: the fill runs beside them, often ahead
+    # of them, and dropping the pages it read made them read each range from the store again
+    # (8 readers of a 2 GiB file on an emulated parallel store, nbdkit: 0.73x direct).
+    if not f.kernel_reads:
+        os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
     st = os.fstat(f.fd)
     if st.st_size != f.identity.size or st.st_mtime_ns != f.identity.mtime_ns:
         f.stale = True
@@ -192,6 +197,9 @@ class Cache:
         # Passthrough: leased tier files (tierfs.cache.lease) and the files they pin
         self.leases = LeaseTable()
         self._pinned: dict[str, _FilePin] = {}  # file key -> pin
+        # Kept leases (:meth:`keep_lease`): file key -> (lease key, revoke()). A pin held only
+        # by its kept lease yields to eviction and to drops: revoke() lets it go at once.
+        self._kept: dict[str, tuple[Hashable, Callable[[], None]]] = {}
         self.filling: OrderedDict[str, None] = OrderedDict()  # file keys queued by fill(), newest last
         self.passthrough_refusals = 0
 
@@ -489,6 +497,50 @@ class Cache:
             self.tiers[self._tier_index(sh_lease.tier)].passthrough_opens += 1
         return sh_lease
 
+    def keep_lease(self, lkey: Hashable, revoke: Callable[[], None]) -> Lease | None:
+        """One more lease on the tier file that ``lkey`` (from :meth:`lease_resident`) holds
+        now, kept by the caller after its opens close so that the next open of the file costs
+        no tier open, no pin and no kernel registration (the transport keeps its backing id
+        as long). Unlike an open's lease it yields: when eviction wants one of the file's
+        chunks, or the file is dropped (changed, failed), and no other lease holds it,
+        ``revoke()`` is called (synchronously; it must release the lease). Not counted as an
+        open. None when no lease of ``lkey`` is held."""
+        lease = self.leases.share_now(lkey, tier=str(lkey[1]), size=0,  # type: ignore[index]
+                                      writable=False)
+        if lease is not None:
+            self._kept[str(lkey[2])] = (lkey, revoke)  # type: ignore[index]
+        return lease
+
+    def unkeep(self, key: str) -> None:
+        """The kept lease of file ``key`` is being released by its keeper."""
+        self._kept.pop(key, None)
+
+    def reuse_kept(self, lkey: Hashable, f: BackingFile,
+                   on_release: Callable[[], None] | None = None) -> Lease | None:
+        """A lease for an open of ``f`` on the tier file its kept lease (:meth:`keep_lease`)
+        holds, counted as :meth:`lease_resident` counts one; None if that is no longer ``f``'s
+        current tier copy (doomed, or not the same identity)."""
+        key = str(lkey[2])  # type: ignore[index]
+        pin = self._pinned.get(key)
+        if pin is None or pin.doomed or pin.modified or key != f.key or key not in self._kept:
+            return None
+        lease = self.leases.share_now(lkey, tier=str(lkey[1]), size=f.size,  # type: ignore[index]
+                                      writable=False, on_release=on_release)
+        if lease is not None:
+            self._count_lease(f, pin.tier)
+        return lease
+
+    def _pinned_now(self, key: str) -> bool:
+        """Whether file ``key`` is pinned by a lease, after letting go of a kept lease that
+        was the only one holding it."""
+        if key not in self._pinned:
+            return False
+        kept = self._kept.get(key)
+        if kept is not None and self.leases.refs(kept[0]) <= 1:
+            kept[1]()  # releases the lease (the pin goes with the last one)
+            self._kept.pop(key, None)
+        return key in self._pinned
+
     def _tier_index(self, name: str) -> int:
         return next(i for i, t in enumerate(self.tiers) if t.name == name)
 
@@ -543,6 +595,7 @@ class Cache:
         """The last lease of ``key`` is gone (or its open failed): its chunks may move again;
         a file doomed meanwhile is dropped now."""
         pin = self._pinned.pop(key, None)
+        self._kept.pop(key, None)
         if pin is None:
             return
         tier = self.tiers[pin.tier]
@@ -552,7 +605,10 @@ class Cache:
             self._spawn(self.drop_file, key)
 
     def _doom(self, key: str) -> bool:
-        """Mark a leased file to be dropped at its last release. False if it is not leased."""
+        """Mark a leased file to be dropped at its last release. False if it is not leased
+        (a kept lease alone is let go: the caller drops it now)."""
+        if not self._pinned_now(key):
+            return False
         pin = self._pinned.get(key)
         if pin is None:
             return False
@@ -560,6 +616,10 @@ class Cache:
         return True
 
     # -- prefetch --------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Bytes the tiers hold together (their effective capacities)."""
+        return sum(t.effective_capacity for t in self.tiers)
+
     def fill(self, f: BackingFile) -> int:
         """Queue every chunk of ``f`` for a tier (speculative: after demand and hinted work,
         placed only where a tier has room): for a file whose reads the kernel serves from the
@@ -738,7 +798,7 @@ class Cache:
                 n += 1
                 nbytes += len(staged.data)
             entry = self.catalog.get(cid)
-            if entry is not None and entry.pins == 0 and cid not in self._moving and cid[0] not in self._pinned:
+            if entry is not None and entry.pins == 0 and cid not in self._moving and not self._pinned_now(cid[0]):
                 await self._drop_chunk(cid)
                 self.tiers[entry.tier].evictions += 1
                 n += 1
@@ -755,7 +815,7 @@ class Cache:
 
     # -- placement, eviction, promotion ----------------------------------------------------
     def _unmovable(self, cid: ChunkId) -> bool:
-        if cid in self._moving or cid in self._reading or cid[0] in self._pinned:
+        if cid in self._moving or cid in self._reading or self._pinned_now(cid[0]):
             return True
         entry = self.catalog.get(cid)
         return entry is None or entry.pins > 0

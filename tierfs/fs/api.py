@@ -13,7 +13,7 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # renameat2(2) flags, as the kernel passes them in FUSE_RENAME2 (include/uapi/linux/fs.h)
 RENAME_NOREPLACE = 1
@@ -45,9 +45,9 @@ class RequestCtx(Protocol):
     def pid(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Ctx:
-    """A :class:`RequestCtx` made by a transport (pyfuse3 hands its own object, same fields)."""
+class Ctx(NamedTuple):
+    """A :class:`RequestCtx` made by a transport (pyfuse3 hands its own object, same fields).
+    A tuple: one is made per request (~4x cheaper than a frozen dataclass)."""
 
     uid: int = 0
     gid: int = 0

@@ -45,6 +45,7 @@ from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+KEPT_PASSTHROUGH_MAX = 16384  # kept passthrough leases of small files (Handlers.kept_passthrough)
 FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
 
 
@@ -68,6 +69,13 @@ def fuse_errors(what: str) -> Iterator[None]:
         # A bug must cost one request, never the daemon (and every user of the mount).
         log.exception("%s: unexpected error; answering EIO", what)
         raise FuseError(errno.EIO) from None
+
+
+def _nofile() -> int:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 
 
 class _Op:
@@ -124,6 +132,13 @@ class _TierPassthrough:
     # timestamps finer than the writes: False when the tier file changed within 0.1 s of the
     # lease (coarse timestamps, kernels before 6.13, could hide a write in that tick)
     trust_times: bool = True
+    # a lease kept after the last open closes (Handlers.kept_passthrough), so that the next
+    # open of the file costs no tier open, pin or kernel registration
+    keeper: Lease | None = None
+    # kind "backing": the file to copy into a tier once its last reader closes (the copy then
+    # comes from the page cache the readers filled instead of competing with them for the store
+    # and the CPU: 8 readers of a 2 GiB file on an emulated parallel store, ...)
+    fill: BackingFile | None = None
 
     def look(self) -> tuple[int, int, int]:
         st = os.fstat(self.fd)  # an open descriptor: no I/O
@@ -173,6 +188,16 @@ class Handlers:
         # itself, at its speed, while the cache fills a tier in the background
         self.backing_passthrough = False
         self.backing_leases = LeaseTable(close=lambda fd: None)  # the fds are the open BackingFiles'
+        # Clean tier copies of small files whose opens all closed, kept leased (and registered
+        # with the kernel by the transport) for the next open, least recently closed first
+        self.kept_passthrough: collections.OrderedDict[int, _TierPassthrough] = collections.OrderedDict()
+        # each holds a descriptor here and a file reference in the kernel: an eighth of the
+        # descriptor limit (524288 under systemd: 16384), at most 16384
+        self.kept_max = min(KEPT_PASSTHROUGH_MAX, _nofile() // 8)
+        self.kept_reuses = 0
+        # set by a transport that registers tier files with the kernel: a tier copy's opens
+        # all closed and it is not kept (or no longer): its registration can go
+        self.on_passthrough_end: Callable[[int], None] | None = None
         self.reads = 0  # FUSE read requests of data files
         self.read_bytes = 0
         self.max_read = 0
@@ -619,48 +644,70 @@ class Handlers:
             h = self.handles.get(fh)
             if not isinstance(h, FileHandle) or h.lease is not None:
                 return None
-            tp = self.tier_passthrough.get(h.inode)
-            if tp is not None:
-                return self._share_tier_copy(fh, h, tp)
+            lease = await self._lease(h, fh, clean, written)
             entry = self.inodes.by_inode.get(h.inode)
-            df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
-            if df is not None and df.state.value != "clean":
-                if h.dirty is not df:
-                    return None  # opened before the file became dirty: the daemon serves it
-                lease = await self.wb.lease_data(df, h.writer)
-            elif written and df is not None and not h.writer and df.fd >= 0:
-                lease = await self.wb.lease_data(df, False)
-            elif not clean or h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
-                return None
-            else:
-                tp = _TierPassthrough(None, h.file.key, -1)
-                lease = await self.cache.lease_resident(h.file, on_release=partial(self._tier_lease_released, h.inode, tp))
-                if lease is None and self.backing_passthrough:
-                    lease = self._lease_backing(h, tp)
-                if lease is not None:
-                    tp.lkey, tp.fd, tp.handles = lease.key, lease.fd, 1
-                    tp.seen = tp.look()
-                    tp.trust_times = time.time_ns() - tp.seen[2] > 100_000_000
-                    if h.inode in self.tier_passthrough:  # another open won the race: it shares
-                        lease.release()
-                        return self._share_tier_copy(fh, h, self.tier_passthrough[h.inode])
-                    self.tier_passthrough[h.inode] = tp
-                    if tp.kind == "backing":  # its truncates go to the backing file (Namespace)
-                        self.ns.backing_in_place.add(h.inode)
-            if fh not in self.handles.handles:  # released while we waited
-                if lease is not None:
-                    lease.release()
-                return None
-            h.lease = lease
+            if lease is not None and not h.writer and self.on_read_end is not None and entry is not None \
+                    and entry.path is not None:
+                # its reads go to the kernel, never to the daemon, so the end of the file is
+                # never seen: predict the next file now (shards read in name order whose files
+                # were all resident passed through and broke the chain of predictions)
+                self.on_read_end(h.pid, entry.path)
             return lease
+
+    async def _lease(self, h: FileHandle, fh: int, clean: bool, written: bool) -> Lease | None:
+        """The body of :meth:`lease` (``h``: the handle of ``fh``)."""
+        entry = self.inodes.by_inode.get(h.inode)
+        tp = self.tier_passthrough.get(h.inode)
+        if tp is not None and tp.handles <= 0:  # kept after its last close
+            kept = self._reuse_kept(h, entry, tp)
+            if kept is not None:
+                return kept
+            tp = None
+        if tp is not None:
+            return self._share_tier_copy(fh, h, tp)
+        df = entry.dirty if entry is not None and entry.dirty is not None else h.dirty
+        if df is not None and df.state.value != "clean":
+            if h.dirty is not df:
+                return None  # opened before the file became dirty: the daemon serves it
+            lease = await self.wb.lease_data(df, h.writer)
+        elif written and df is not None and not h.writer and df.fd >= 0:
+            lease = await self.wb.lease_data(df, False)
+        elif not clean or h.writer or h.file is None or (entry is not None and entry.last_key not in (None, h.file.key)):
+            return None
+        else:
+            tp = _TierPassthrough(None, h.file.key, -1)
+            lease = await self.cache.lease_resident(h.file, on_release=partial(self._tier_lease_released, h.inode, tp))
+            if lease is None and self.backing_passthrough:
+                lease = self._lease_backing(h, tp)
+            if lease is not None:
+                tp.lkey, tp.fd, tp.handles = lease.key, lease.fd, 1
+                tp.seen = tp.look()
+                tp.trust_times = time.time_ns() - tp.seen[2] > 100_000_000
+                if h.inode in self.tier_passthrough:  # another open won the race: it shares
+                    lease.release()
+                    return self._share_tier_copy(fh, h, self.tier_passthrough[h.inode])
+                self.tier_passthrough[h.inode] = tp
+                if tp.kind == "backing":  # its truncates go to the backing file (Namespace)
+                    self.ns.backing_in_place.add(h.inode)
+                elif h.file.size <= self.cache.chunk_size and self.kept_max:
+                    tp.keeper = self.cache.keep_lease(tp.lkey, partial(self._drop_kept, h.inode, tp))
+        if fh not in self.handles.handles:  # released while we waited
+            if lease is not None:
+                lease.release()
+            return None
+        h.lease = lease
+        return lease
 
     def _lease_backing(self, h: FileHandle, tp: _TierPassthrough) -> Lease | None:
         """A lease on the open backing file of reader ``h`` (a miss on a parallel store): the
         kernel reads the store directly; every chunk of the file is queued for a tier
-        (speculative: after demand and hinted fetches), since those reads never reach the
-        daemon. The descriptor is the shared BackingFile's, open while ``h`` is."""
+        (speculative: after demand and hinted fetches) once the last of its readers closes,
+        since those reads never reach the daemon. The descriptor is the shared BackingFile's, open while ``h`` is."""
         f = h.file
-        if f is None or f.fd < 0 or f.stale or f.size == 0:
+        if f is None or f.fd < 0 or f.stale or f.size == 0 or f.size > self.cache.capacity():
+            # (a file the tiers cannot hold whole is not filled: the daemon serves it, and
+            # fetches only what is read; a random reader of a store-sized file would else
+            # queue the whole file at every open)
             return None
         lkey = ("backing", f.key)
         on_release = partial(self._tier_lease_released, h.inode, tp)
@@ -671,7 +718,8 @@ class Handlers:
             lease = self.backing_leases.finish(lkey, f.fd, tier="backing", size=f.size,
                                                writable=False, on_release=on_release)
         tp.kind = "backing"
-        self.cache.fill(f)
+        tp.fill = f
+        f.kernel_reads = True
         return lease
 
     def _share_tier_copy(self, fh: int, h: FileHandle, tp: _TierPassthrough) -> Lease | None:
@@ -693,6 +741,7 @@ class Handlers:
             return None
         tp.handles += 1
         if h.writer:
+            self._release_keeper(tp)  # written in place: dropped from the cache at the last close
             self.ns.written_in_place[h.inode] = (tp.fd, tp.seen)
             self.wb.in_place_opens += 1
         h.lease = lease
@@ -700,10 +749,65 @@ class Handlers:
 
     def _tier_lease_released(self, inode: int, tp: _TierPassthrough) -> None:
         tp.handles -= 1
+        if tp.handles <= 0 and tp.fill is not None:
+            f, tp.fill = tp.fill, None
+            if f.fd >= 0 and not f.stale:
+                self.cache.fill(f)
         if tp.handles <= 0 and self.tier_passthrough.get(inode) is tp:
+            if tp.keeper is not None and inode not in self.ns.written_in_place:
+                self.kept_passthrough[inode] = tp
+                self.kept_passthrough.move_to_end(inode)
+                if len(self.kept_passthrough) > self.kept_max:
+                    old, otp = next(iter(self.kept_passthrough.items()))
+                    self._drop_kept(old, otp)
+                return
+            self._end_passthrough(inode, tp)
+
+    def _end_passthrough(self, inode: int, tp: _TierPassthrough) -> None:
+        """No open of ``inode`` passes through to ``tp`` any more, and it is not kept."""
+        self.kept_passthrough.pop(inode, None)
+        self._release_keeper(tp)
+        if self.tier_passthrough.get(inode) is tp:
             del self.tier_passthrough[inode]
             self.ns.written_in_place.pop(inode, None)
             self.ns.backing_in_place.discard(inode)
+            if self.on_passthrough_end is not None:
+                self.on_passthrough_end(inode)
+
+    def _release_keeper(self, tp: _TierPassthrough) -> None:
+        keeper, tp.keeper = tp.keeper, None
+        if keeper is not None:
+            self.cache.unkeep(tp.file_key)
+            keeper.release()
+
+    def _drop_kept(self, inode: int, tp: _TierPassthrough) -> None:
+        """Let go of the kept lease of ``tp`` (the cache wants its chunks, the file changed,
+        or more are kept than ``kept_max``); with no open left, its
+        passthrough ends."""
+        if tp.handles <= 0:
+            self._end_passthrough(inode, tp)
+        else:
+            self._release_keeper(tp)
+
+    def _reuse_kept(self, h: FileHandle, entry: InodeEntry | None, tp: _TierPassthrough) -> Lease | None:
+        """The lease for reader ``h`` on the tier copy kept since the file's last close, if
+        it is still the current copy of what ``h`` opened; else the kept one is let go
+        (None: the caller leases as for a first open)."""
+        f = h.file
+        dirty = entry.dirty if entry is not None else None
+        lease = None
+        if (not h.writer and f is not None and h.dirty is None and tp.kind == "tier"
+                and (dirty is None or dirty.state.value == "clean") and tp.file_key == f.key
+                and (entry is None or entry.last_key in (None, f.key))):
+            lease = self.cache.reuse_kept(tp.lkey, f, on_release=partial(self._tier_lease_released, h.inode, tp))
+        if lease is None:
+            self._drop_kept(h.inode, tp)
+            return None
+        self.kept_passthrough.pop(h.inode, None)
+        self.kept_reuses += 1
+        tp.handles = 1
+        h.lease = lease
+        return lease
 
     def drop_lease(self, fh: int) -> None:
         """The transport could not use the lease of ``fh``: give it back (the daemon serves)."""

@@ -33,8 +33,8 @@ import math
 import os
 import stat
 from array import array
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -68,8 +68,15 @@ FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
 LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
 MAX_LISTING = 200_000  # larger directories: successor prediction only
+MAX_EVENTS = 4096  # opens and read ends queued for the next-file predictor (more: dropped)
 BATCH = 64  # paths resolved per call on the metadata device (~0.3 ms when cached)
 INDEX_BATCH = 2048  # chunk occurrences indexed into the plan between two chances to pause (~0.5 ms)
+# Planned chunk occurrences (all needs) up to which stats.json counts a plan's resident and
+# remaining bytes when it is read; a larger plan's are counted by the service's loop in paced
+# slices and shown up to SUMMARY_MAX_AGE_S old. Counted inline, a plan of 100,000 paths (two
+# needs) held the event loop 129 ms per stats.json read on the loaded 2-core VM.
+STATS_INLINE_CHUNKS = 20_000
+SUMMARY_MAX_AGE_S = 1.0
 DEFAULT_USER_SHARE = 0.5  # see the user_hint_share option (tierfs.config)
 MAX_CHECKPOINT_DIRS = 64  # checkpoint declarations per user
 MAX_BAD_KEYS = 100_000  # remembered unreadable files (cleared beyond)
@@ -139,8 +146,14 @@ class HintService:
         self.predictor = NextFilePredictor()
         self.predict_bytes = predict_bytes  # 0: no next-file prediction
         self._predicted: dict[tuple[int, bytes], str] = {}  # (pid, dir) -> need id
+        self._events: deque[tuple[Callable[[int, bytes], Awaitable[None]], int, bytes]] = deque()
+        self._draining = False
         self._listings: dict[bytes, tuple[float, list[bytes]]] = {}
         self._nursery: trio.Nursery | None = None
+        # a large plan's counts for stats.json: (resident bytes, bytes to fetch, each need's
+        # bytes to fetch by id, when counted); see STATS_INLINE_CHUNKS
+        self._summary: tuple[int, int, dict[str, int], float] | None = None
+        self._summary_wanted = False
 
     # -- requests -----------------------------------------------------------------------------
     async def handle(self, req: dict[str, Any], caller: Caller = ROOT) -> dict[str, Any]:
@@ -456,6 +469,9 @@ class HintService:
             try:
                 self._check_deadlines()
                 await self.prefetch_round()
+                if self._summary_wanted:
+                    self._summary_wanted = False
+                    await self._count_summary()
                 if self.plan.sweeping:  # occurrences of removed needs, in slices
                     pacer = self._pacer()
                     while self.plan.sweep(INDEX_BATCH):
@@ -471,13 +487,33 @@ class HintService:
     # -- next-file prediction (no hints) ----------------------------------------------------------
     def file_opened(self, pid: int, rel: bytes) -> None:
         """Operations callback (must not block): learn; cancel a wrong prediction."""
-        if self.predict_bytes and self._nursery is not None:
-            tasks.spawn(self._nursery, "hints.file_opened", self._opened, pid, rel)
+        self._event(self._opened, pid, rel)
 
     def file_read_end(self, pid: int, rel: bytes) -> None:
         """Operations callback: ``pid``'s readahead reached the end of ``rel``."""
-        if self.predict_bytes and self._nursery is not None:
-            tasks.spawn(self._nursery, "hints.predict", self._predict, pid, rel)
+        self._event(self._predict, pid, rel)
+
+    def _event(self, fn: Callable[[int, bytes], Awaitable[None]], pid: int, rel: bytes) -> None:
+        """Opens and read ends reach the predictor in the order the requests came, through one
+        task: learned and predicted in tasks of their own, a read end answered just before
+        the next open could be predicted after that open was learned, and name the file just
+        opened (a wrong guess; seen under load). Bounded: past MAX_EVENTS queued, dropped."""
+        if not self.predict_bytes or self._nursery is None:
+            return
+        if len(self._events) >= MAX_EVENTS:
+            return
+        self._events.append((fn, pid, rel))
+        if not self._draining:
+            self._draining = True
+            tasks.spawn(self._nursery, "hints.next_file", self._drain)
+
+    async def _drain(self) -> None:
+        try:
+            while self._events:
+                fn, pid, rel = self._events.popleft()
+                await fn(pid, rel)
+        finally:
+            self._draining = False
 
     async def _listing(self, d: bytes) -> list[bytes] | None:
         now = trio.current_time()
@@ -735,23 +771,72 @@ class HintService:
             self.tree.close()
 
     # -- stats ----------------------------------------------------------------------------------
+    async def _count_summary(self) -> None:
+        """Count every need's resident and remaining bytes as :meth:`statistics` does inline,
+        in paced slices (the plan may change meanwhile: the counts are a moment's estimate)."""
+        in_tier = self.cache.in_tier
+        pacer = self._pacer()
+        resident = to_fetch = 0
+        lefts: dict[str, int] = {}
+        for need in self.plan.by_rank():
+            seen: set[ChunkId] = set()
+            counted: set[ChunkId] = set()
+            left = 0
+            chunks, sizes, consumed = need.chunks, need.sizes, need.consumed
+            for start in range(0, len(chunks), INDEX_BATCH):
+                cursor = need.cursor
+                for i in range(start, min(len(chunks), start + INDEX_BATCH)):
+                    cid = chunks[i]
+                    here = in_tier(cid)
+                    if cid not in seen:
+                        seen.add(cid)
+                        if here:
+                            resident += sizes[i]
+                    if i >= cursor and not consumed[i] and not here and cid not in counted:
+                        counted.add(cid)
+                        left += sizes[i]
+                await pacer.step()
+            lefts[need.id] = left
+            to_fetch += left
+        self._summary = (resident, to_fetch, lefts, trio.current_time())
+
+    def _counts(self) -> tuple[int, int, dict[str, int], float | None]:
+        """(resident bytes, bytes to fetch, each need's bytes to fetch, the count's age in
+        seconds): counted now (age 0) for a plan of at most STATS_INLINE_CHUNKS occurrences,
+        else the loop's last count, a new one asked for when it is older than
+        SUMMARY_MAX_AGE_S (zeros and age None until the first)."""
+        if sum(len(n.chunks) for n in self.plan.needs.values()) > STATS_INLINE_CHUNKS:
+            now = trio.current_time()
+            if self._summary is None or now - self._summary[3] > SUMMARY_MAX_AGE_S:
+                self._summary_wanted = True
+                self.kick()
+            if self._summary is None:
+                return 0, 0, {}, None
+            resident, to_fetch, lefts, at = self._summary
+            return resident, to_fetch, lefts, now - at
+        resident = to_fetch = 0
+        lefts = {}
+        for need in self.plan.needs.values():
+            lefts[need.id] = left = self.plan.remaining(need, self.cache.in_tier)
+            to_fetch += left
+            resident += sum(need.sizes[i] for i in need.unique() if self.cache.in_tier(need.chunks[i]))
+        return resident, to_fetch, lefts, 0.0
+
     def statistics(self) -> dict[str, Any]:
         ps = asdict(self.plan.statistics())
         proj = self._projection()
         now = trio.current_time()
-        resident = 0
-        to_fetch = 0
+        resident, to_fetch, lefts, age = self._counts()
         pending: list[dict[str, Any]] = []
         for need in self.plan.by_rank():
-            left = self.plan.remaining(need, self.cache.in_tier)
-            to_fetch += left
-            resident += sum(need.sizes[i] for i in need.unique() if self.cache.in_tier(need.chunks[i]))
+            left = lefts.get(need.id, 0)
             if not math.isinf(need.deadline) and need.finished_at is None and len(pending) < 20:
                 p = proj.get(need.id, 0.0)
                 pending.append({"id": need.id, "label": need.label, "deadline_in_s": need.deadline - now,
                                 "projected_s": p, "slack_s": need.deadline - now - p,
                                 "remaining_bytes": left, "missed": need.missed})
-        ps.update({"resident_bytes": resident, "to_fetch_bytes": to_fetch, "prefetched_bytes": self.prefetched_bytes,
+        ps.update({"resident_bytes": resident, "to_fetch_bytes": to_fetch, "counts_age_s": age,
+                   "prefetched_bytes": self.prefetched_bytes,
                    "queued_chunks": len(self._queued), "pending_deadlines": pending,
                    "write_tier_kept_free_bytes": self.cache.tiers[self.write_tier].keep_free,
                    "next_file_predictions": {"right": self.predictor.hits, "wrong": self.predictor.misses,

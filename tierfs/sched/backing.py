@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -58,6 +59,9 @@ class BackingFile:
     refs: int = 0
     opens: int = 0  # open handles (refs also counts queued fetches)
     stale: bool = False  # set when a fetch saw the file change under it
+    # A reader passes through to it (the kernel reads it, not the daemon): its page cache is
+    # that reader's, so a fetch into a tier leaves the pages it read there (see _copy_checked)
+    kernel_reads: bool = False
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -78,11 +82,12 @@ class BackingFile:
     def acquire(self) -> None:
         self.refs += 1
 
-    def release(self) -> None:
+    def release(self, close: Callable[[int], object] = os.close) -> None:
+        """Drop a reference; the last one closes the descriptor with ``close``."""
         self.refs -= 1
         if self.refs <= 0 and self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1
+            close(fd)
 
 
 class Openings:

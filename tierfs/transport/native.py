@@ -8,16 +8,18 @@ the daemon). It also lets a request be interrupted (``FUSE_INTERRUPT``: the requ
 scope is cancelled and it is answered EINTR).
 
 Shape: :func:`mount_fuse` opens ``/dev/fuse`` and calls mount(2); :meth:`NativeSession.init`
-answers INIT; :meth:`NativeSession.main` reads requests (non-blocking descriptor,
-``trio.lowlevel.wait_readable``: one read is a copy of at most 1 MiB, ~0.1 ms, so it stays on
-the loop) and runs each as its own task. Wire format: :mod:`tierfs.transport.codec`.
+answers INIT; :meth:`NativeSession.main` serves requests with a pool of worker tasks, one of
+which reads at a time (non-blocking descriptor, ``trio.lowlevel.wait_readable``: one read is a
+copy of at most 1 MiB, ~0.1 ms, so it stays on the loop) and then serves what it read while the
+next reads. Wire format: :mod:`tierfs.transport.codec`.
 
 Passthrough (:class:`Passthrough`): at open the handler layer is asked for a lease
 (:meth:`Handlers.lease`); the lease's descriptor is registered with
 ``FUSE_DEV_IOC_BACKING_OPEN`` once per inode, shared by every concurrent open of it and closed
-at the last release. The kernel refuses to mix, on one inode, opens in page-cache mode and
-opens in passthrough mode (``fs/fuse/iomode.c``: the open fails with EIO), so the mode of each
-inode's open handles is tracked here.
+at the last release (a small clean file's tier copy may stay registered after it, while the
+handler layer keeps it: :attr:`Handlers.kept_passthrough`). The kernel refuses to mix, on one
+inode, opens in page-cache mode and opens in passthrough mode (``fs/fuse/iomode.c``: the open
+fails with EIO), so the mode of each inode's open handles is tracked here.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ CONGESTION = 48
 # Write data held by requests in flight: past this the reader stops taking requests until some
 # finish (the kernel queues them meanwhile). 256 MiB: 256 concurrent 1 MiB writes.
 MAX_WRITE_BYTES_IN_FLIGHT = 256 << 20
-# Opcodes whose work may be cancelled by FUSE_INTERRUPT: waits for data or names. Writes,
-# namespace changes and releases run to completion (a half-done change is worse than a slow one).
-INTERRUPTIBLE = frozenset({c.LOOKUP, c.GETATTR, c.READ, c.READDIR, c.READDIRPLUS,
-                           c.OPENDIR, c.STATFS, c.GETXATTR, c.LISTXATTR, c.READLINK, c.FSYNC,
-                           c.ACCESS})
+MAX_IDLE_WORKERS = 8  # request workers kept waiting for work; more end (a burst started them)
+BURST = 16  # requests a worker serves back to back before it lets the loop's other tasks run
+# Opcodes whose work may be cancelled by FUSE_INTERRUPT: those that wait in the daemon for data
+# (a read waiting for the backing store's scheduler, a hint's wait on a control file, a
+# write-back at fsync). Writes, namespace changes and releases run to completion (a half-done
+# change is worse than a slow one). Lookups, attributes, xattrs and directory listings are not
+# worth a cancel scope each (~5 us, 10-15 % of a lookup's round trip in a walk): their only
+# wait is a metadata call, which a cancel cannot stop in its worker thread anyway.
+INTERRUPTIBLE = frozenset({c.READ, c.FSYNC})
 NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
 _TASK_NAMES = {op: f"fuse.{name}" for op, name in c.OPCODE_NAMES.items()}  # (not an f-string per request)
 _OPENS = {c.OPEN: 0, c.OPENDIR: 0, c.CREATE: c.ENTRY_HEAD.size + c.ATTR.size}  # where fh is in the reply
@@ -140,6 +146,8 @@ class PassthroughStats:
     bytes: int = 0  # bytes made available (a lease's size per open)
     conflicts: int = 0  # opens refused: the inode was open in passthrough mode on another file
     ioctl_failures: int = 0
+    registrations: int = 0  # FUSE_DEV_IOC_BACKING_OPEN calls
+    kept_reuses: int = 0  # opens answered with a backing id kept since the inode's last close
     by_tier: Counter[str] = field(default_factory=Counter)
 
 
@@ -147,8 +155,12 @@ class Passthrough:
     """Backing ids per inode (one per inode, shared by its concurrent opens) and the per-inode
     open mode. ``dev_fd``: the /dev/fuse descriptor."""
 
-    def __init__(self, dev_fd: int) -> None:
+    def __init__(self, dev_fd: int, kept: Callable[[int], bool] = lambda inode: False) -> None:
+        """``kept(inode)``: the handler layer still holds the inode's tier copy (a tier or
+        backing file's registration then outlives the inode's last close, until
+        :meth:`ended`)."""
         self.dev_fd = dev_fd
+        self.kept = kept
         self.inodes: dict[int, _InodeIO] = {}
         self.by_fh: dict[int, tuple[int, str, bool]] = {}  # fh -> (inode, "pt"|"cached"|"direct", writer)
         self.stats = PassthroughStats()
@@ -170,6 +182,12 @@ class Passthrough:
             if io.ident != ident:
                 return None
             return io.backing_id
+        if io.backing_id:  # kept since the last close
+            if io.ident == ident:
+                self.stats.kept_reuses += 1
+                return io.backing_id
+            self._close_backing(io)
+        self.stats.registrations += 1
         try:
             # mutate=True: the ioctl's return value (the backing id) comes back
             bid = fcntl.ioctl(self.dev_fd, c.DEV_IOC_BACKING_OPEN, c.backing_map(fd), True)
@@ -199,11 +217,23 @@ class Passthrough:
         if mode == "pt":
             io.pt -= 1
             io.pt_wrote |= writer
-            if io.pt == 0:
+            # a written file's data file goes now; a tier copy's registration when the
+            # handler layer lets the copy go (ended), which it may keep for the next open
+            if io.pt == 0 and (io.kind == "data" or not self.kept(inode)):
                 self._close_backing(io)
         elif mode == "cached":
             io.cached -= 1
-        if io.pt == 0 and io.cached == 0 and not io.pt_wrote:
+        if io.pt == 0 and io.cached == 0 and not io.pt_wrote and not io.backing_id:
+            del self.inodes[inode]
+
+    def ended(self, inode: int) -> None:
+        """The handler layer let go of ``inode``'s tier copy: its registration goes, unless an
+        open still uses it."""
+        io = self.inodes.get(inode)
+        if io is None or io.pt or not io.backing_id or io.kind == "data":
+            return
+        self._close_backing(io)
+        if io.cached == 0 and not io.pt_wrote:
             del self.inodes[inode]
 
     def _close_backing(self, io: _InodeIO) -> None:
@@ -267,9 +297,15 @@ class NativeSession:
         self._write_bytes = 0
         self._room = trio.Event()
         self._scope: trio.CancelScope | None = None
+        self._reading = False  # a worker is reading /dev/fuse (the others park in _turn)
+        self._turn = trio.lowlevel.ParkingLot()
+        self._idle = 0  # workers waiting to read
+        self._burst = 0  # requests served since the last read that had to wait
+        self.workers = 0
+        self.peak_workers = 0
         self.closed = False
         self.ended = False  # the kernel ended the connection (unmounted): nothing to unmount
-        self.requests: Counter[str] = Counter()
+        self._by_opcode: dict[int, int] = {}  # requests by opcode (named in requests)
         self.interrupts = 0
         self.interrupted = 0  # requests answered EINTR
         self.stale_replies = 0  # replies the kernel no longer wanted (ENOENT)
@@ -280,6 +316,11 @@ class NativeSession:
     @property
     def passthrough(self) -> bool:
         return self.pt is not None
+
+    @property
+    def requests(self) -> Counter[str]:
+        """Requests received, by opcode name."""
+        return Counter({c.OPCODE_NAMES.get(op, str(op)): k for op, k in self._by_opcode.items()})
 
     # -- INIT ------------------------------------------------------------------------------
     async def init(self) -> InitResult:
@@ -313,19 +354,25 @@ class NativeSession:
             max_background=MAX_BACKGROUND, congestion_threshold=CONGESTION, max_write=MAX_WRITE,
             max_pages=MAX_PAGES, max_stack_depth=1 if pt else 0)))
         if pt:
-            self.pt = Passthrough(self.fd)
+            tiers = getattr(self.h, "tier_passthrough", {})
+            self.pt = Passthrough(self.fd, kept=tiers.__contains__)
+            self.h.on_passthrough_end = self.pt.ended
             self.h.flush_at_close = True  # a passthrough writer is told ENOSPC at close
         self.init_result = InitResult(a["minor"], offered, granted, pt)
         return self.init_result
 
     # -- the loop --------------------------------------------------------------------------
     async def _read(self) -> bytes | None:
-        """One request, or None when the connection is gone (unmounted, aborted)."""
+        """One request, or None when the connection is gone (unmounted, aborted). Tried before
+        waiting: under load the next request is usually queued, and a read that finds it
+        costs one syscall where the wait costs an epoll registration and a trip through the
+        scheduler."""
         while True:
-            await trio.lowlevel.wait_readable(self.fd)
             try:
                 n = os.readv(self.fd, [self._buf])
             except BlockingIOError:
+                self._burst = 0
+                await trio.lowlevel.wait_readable(self.fd)
                 continue
             except OSError as e:
                 if e.errno == errno.ENODEV:
@@ -340,18 +387,71 @@ class NativeSession:
             return bytes(memoryview(self._buf)[:n])
 
     async def main(self) -> None:
-        """Serve until the filesystem is unmounted (or :meth:`terminate`)."""
+        """Serve until the filesystem is unmounted (or :meth:`terminate`).
+
+        Requests are served by a pool of worker tasks, as libfuse's multi-threaded loop and
+        pyfuse3 do: one worker at a time reads ``/dev/fuse``, then serves what it read itself
+        while the next idle worker reads; a new worker is started when none is left idle, so
+        a request never waits behind a slow one (as many run at once as the kernel sends),
+        and workers beyond ``MAX_IDLE_WORKERS`` idle ones end. A task per request cost ~10 us
+        more per request (its spawn, its exit, one more scheduling round), about a fifth of
+        the loop's own time in a small-file epoch (py-spy)."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
-                while True:
-                    while self._write_bytes > MAX_WRITE_BYTES_IN_FLIGHT:
-                        self._room = trio.Event()
-                        await self._room.wait()
-                    raw = await self._read()
-                    if raw is None:
-                        break
-                    self._dispatch(raw, nursery)
-                nursery.cancel_scope.cancel()  # unmounted: nobody waits for the answers
+                self._start_worker(nursery)
+
+    def _start_worker(self, nursery: trio.Nursery) -> None:
+        self.workers += 1
+        self.peak_workers = max(self.peak_workers, self.workers)
+        # idle from now, not from when it first runs: the worker that started it may read and
+        # serve again before then, and must not start another one each time
+        self._idle += 1
+        nursery.start_soon(self._worker, nursery, name="fuse.worker")
+
+    async def _worker(self, nursery: trio.Nursery) -> None:
+        task = trio.lowlevel.current_task()
+        try:
+            while True:
+                try:  # counted idle (by _start_worker, or at the end of the last round)
+                    raw = await self._next_request()
+                finally:
+                    self._idle -= 1
+                if raw is None:
+                    nursery.cancel_scope.cancel()  # unmounted: nobody waits for the answers
+                    return
+                if self._idle == 0:
+                    self._start_worker(nursery)  # someone must go on reading meanwhile
+                job = self._dispatch(raw)
+                if job is not None:
+                    task.name = _TASK_NAMES.get(job[0].opcode, "fuse.?")  # the loop watch names it
+                    await self._serve(*job)
+                    task.name = "fuse.worker"
+                self._burst += 1
+                if self._burst >= BURST:
+                    # requests kept coming without a wait and their handlers may not have
+                    # yielded (a release, a forget): let the loop's other tasks run
+                    self._burst = 0
+                    await trio.lowlevel.checkpoint()
+                if self._idle >= MAX_IDLE_WORKERS:
+                    return
+                self._idle += 1
+        finally:
+            self.workers -= 1
+
+    async def _next_request(self) -> bytes | None:
+        """The next request, read by one worker at a time (a descriptor has one waiter in
+        trio); the others park until its read is done."""
+        while self._reading:
+            await self._turn.park()
+        self._reading = True
+        try:
+            while self._write_bytes > MAX_WRITE_BYTES_IN_FLIGHT:
+                self._room = trio.Event()
+                await self._room.wait()
+            return await self._read()
+        finally:
+            self._reading = False
+            self._turn.unpark()
 
     def terminate(self) -> None:
         if self._scope is not None:
@@ -372,7 +472,10 @@ class NativeSession:
         finally:
             os.close(self.fd)
 
-    def _dispatch(self, raw: bytes, nursery: trio.Nursery) -> None:
+    def _dispatch(self, raw: bytes) -> tuple[c.Request, _Handler, trio.CancelScope | None] | None:
+        """Decode one request and do what must happen in the order the kernel sent them
+        (interrupts, open-mode counts); returns what :meth:`_serve` runs, or None when
+        nothing is left to run."""
         try:
             req = c.decode(raw)
         except c.MalformedRequest as e:
@@ -380,18 +483,19 @@ class NativeSession:
             log.warning("native transport: malformed request: %s", e)
             if e.unique and e.opcode not in NO_REPLY:
                 self._send(c.error_reply(e.unique, errno.EINVAL))
-            return
-        op = req.opcode
-        self.requests[c.OPCODE_NAMES.get(op, str(op))] += 1
+            return None
+        op = req.h.opcode
+        n = self._by_opcode
+        n[op] = n.get(op, 0) + 1
         if op == c.INTERRUPT:
             self._interrupt(req.args["unique"])
-            return
+            return None
         handler = _HANDLERS.get(op)
         if handler is None:
             self.unknown += 1
             if op not in NO_REPLY:
                 self._send(c.error_reply(req.unique, errno.ENOSYS))
-            return
+            return None
         if op == c.WRITE:
             self._write_bytes += len(req.args["data"])
         elif op == c.RELEASE and self.pt is not None:
@@ -403,12 +507,12 @@ class NativeSession:
         # finds (an interrupt of any other one is ignored, as the protocol allows: it runs to
         # completion): the scope and the bookkeeping were ~a third of the loop's own cost per
         # request in a small-file epoch (cProfile), paid by every open and release. Registered
-        # now, not when the task first runs, so that an INTERRUPT read next always finds it.
+        # now, before the next request is read, so that an INTERRUPT read next always finds it.
         scope = None
         if op in INTERRUPTIBLE:
             scope = trio.CancelScope()
             self._inflight[req.unique] = (op, scope)
-        nursery.start_soon(self._serve, req, handler, scope, name=_TASK_NAMES.get(op, "fuse.?"))
+        return req, handler, scope
 
     def _interrupt(self, unique: int) -> None:
         self.interrupts += 1
@@ -630,14 +734,20 @@ class NativeSession:
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
             "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
+            "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
         if self.pt is not None:
             s = self.pt.stats
             out.update(passthrough_opens=s.opens, passthrough_bytes=s.bytes,
+                       # misses read by the kernel from the backing file (parallel profile)
+                       passthrough_misses=bool(getattr(self.h, "backing_passthrough", False)),
                        passthrough_opens_by_tier=dict(s.by_tier),
-                       passthrough_conflicts=s.conflicts, backing_ids=sum(
-                           1 for io in self.pt.inodes.values() if io.backing_id))
+                       passthrough_conflicts=s.conflicts,
+                       # registered with the kernel for open files, and kept after their last close
+                       backing_ids=sum(1 for io in self.pt.inodes.values() if io.backing_id and io.pt),
+                       kept_backing_ids=sum(1 for io in self.pt.inodes.values() if io.backing_id and not io.pt),
+                       backing_registrations=s.registrations, kept_backing_reuses=s.kept_reuses)
         return out
 
 
@@ -681,11 +791,27 @@ def _ident(x: Any) -> bytes:
     return bytes(x)
 
 
+async def _lookup(s: NativeSession, r: c.Request) -> bytes:
+    # (the commonest requests of a walk or a small-file epoch get no _simple wrapper: one
+    # coroutine and one lambda less each)
+    h = r.h
+    return c.entry_out(await s.h.lookup(h.nodeid, r.args["name"], Ctx(h.uid, h.gid, h.pid, 0)))
+
+
+async def _getattr(s: NativeSession, r: c.Request) -> bytes:
+    h = r.h
+    return c.attr_out(await s.h.getattr(h.nodeid, Ctx(h.uid, h.gid, h.pid, 0)))
+
+
+async def _forget(s: NativeSession, r: c.Request) -> None:
+    await s.h.forget([(r.h.nodeid, r.args["nlookup"])])
+
+
 _HANDLERS: dict[int, _Handler] = {
-    c.LOOKUP: _simple(lambda s, r: s.h.lookup(r.nodeid, r.args["name"], s.ctx(r)), c.entry_out),
-    c.FORGET: _simple(lambda s, r: s.h.forget([(r.nodeid, r.args["nlookup"])])),
+    c.LOOKUP: _lookup,
+    c.FORGET: _forget,
     c.BATCH_FORGET: _simple(lambda s, r: s.h.forget(r.args["items"])),
-    c.GETATTR: _simple(lambda s, r: s.h.getattr(r.nodeid, s.ctx(r)), c.attr_out),
+    c.GETATTR: _getattr,
     c.SETATTR: NativeSession.op_setattr,
     c.READLINK: _simple(lambda s, r: s.h.readlink(r.nodeid, s.ctx(r)), _ident),
     c.SYMLINK: _simple(lambda s, r: s.h.symlink(r.nodeid, r.args["name"], r.args["target"], s.ctx(r)), c.entry_out),

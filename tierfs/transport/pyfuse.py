@@ -16,6 +16,7 @@ from typing import TypeVar
 import pyfuse3
 import trio
 
+from tierfs import loopwatch
 from tierfs.fs.api import Attr, FuseError, OpenReply, SetAttr
 from tierfs.fs.handlers import Handlers
 
@@ -51,6 +52,7 @@ def set_attr(attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields) -> Se
 
 
 async def _call(what: str, aw: Awaitable[T]) -> T:
+    loopwatch.request[0] = what
     try:
         return await aw
     except FuseError as e:
