@@ -5,7 +5,8 @@ of the daemon; it then asserts the mount is gone.
 The event-loop bound: every daemon a test starts runs with ``TIERFS_LOOP_BOUND_MS`` (default
 :data:`LOOP_BOUND_MS`; tierfs.loopwatch), and a daemon stopped by the fixtures (``Mount.stop``,
 ``force_unmount``) whose loop was blocked longer than that fails its test, naming the
-offending tasks (one lone step under twice the bound is a warning: :func:`loop_offenders`). ``TIERFS_TEST_LOOP_STRICT=0`` reports instead of failing (a warning,
+offending tasks when one place blocked it repeatedly or computed too long (anything else is a
+warning: :func:`loop_offenders`). ``TIERFS_TEST_LOOP_STRICT=0`` reports instead of failing (a warning,
 and a JSON line per offending daemon appended to ``$TIERFS_TEST_LOOP_REPORT`` if set).
 """
 
@@ -153,12 +154,16 @@ def loop_offenders(m: Mount) -> Blocked | None:
     """None if the daemon's event loop stayed within its bound, else what blocked it (read from
     its stats before it is unmounted; None also when the daemon cannot answer).
 
-    Fatal when a place blocked the loop more than once, or one step took twice the bound, or
-    three steps passed it. One step between the bound and twice it, alone, is a warning: on the
-    shared 2-core VMs single steps of 50-65 ms were measured in pyfuse3's own request loop with
-    no tierfs handler in them (``pyfuse @ ? -> end``), on CPU the whole time (not explained;
-    the host steals CPU time from these VMs: ``/proc/stat``), about once per run of the suite;
-    code that blocks does so each time it runs."""
+    Fatal when one place (task and where its step began and ended) blocked the loop three
+    times, or twice with the loop on CPU for the bound or longer (a computation), or once on
+    CPU for twice the bound. Anything else is a warning: code that blocks does so each time it
+    runs, while single steps over the bound at a place are what a loaded machine does to any
+    code. Seen on the shared 2-core VMs, once per place, never repeating: 50-65 ms steps in
+    pyfuse3's own request loop with no tierfs handler in them, on CPU (the host steals CPU
+    time from these VMs: ``/proc/stat``); on CI, single steps of 111-214 ms with 10-22 ms of
+    CPU in them, the loop asleep in the kernel (reproduced with ``dd`` filling the page cache
+    beside a test: the kernel pauses any process that dirties pages then, for up to 200 ms,
+    and the daemon's loop writes its write-back journal; docs/concurrency.md)."""
     try:
         loop = m.stats().get("loop")
     except (OSError, ValueError):
@@ -169,9 +174,10 @@ def loop_offenders(m: Mount) -> Blocked | None:
         with open(os.environ["TIERFS_TEST_LOOP_REPORT"], "a") as f:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), **loop}) + "\n")
     worst = sorted(loop["offenders"].items(), key=lambda kv: -kv[1]["worst_ms"])
-    fatal = (loop["over"] >= 3 or loop["worst_ms"] >= 2 * loop["bound_ms"]
-             or any(v["count"] >= 2 for v in loop["offenders"].values()))
-    return Blocked(f"the daemon's event loop was blocked longer than {loop['bound_ms']:.0f} ms in "
+    bound = loop["bound_ms"]
+    fatal = any(v["count"] >= 3 or (v["count"] >= 2 and v["worst_cpu_ms"] >= bound)
+                or v["worst_cpu_ms"] >= 2 * bound for v in loop["offenders"].values())
+    return Blocked(f"the daemon's event loop was blocked longer than {bound:.0f} ms in "
             f"{loop['over']} of {loop['steps']} steps (worst {loop['worst_ms']:.1f} ms): "
             + "; ".join(f"{k}: {v['count']}x, worst {v['worst_ms']:.1f} ms ({v['worst_cpu_ms']:.1f} ms on CPU)"
                        for k, v in worst[:5]), fatal)

@@ -130,6 +130,12 @@ class Device:
                     if self._mean_s > self.inline_under or spike:
                         self._threads_until = now + took + self.thread_period
                         self._mean_s = 0.0
+        return await self.in_thread(fn, *args)
+
+    async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """Run blocking ``fn(*args)`` in a worker thread under this device's limiter, never
+        inline: for calls that are cheap on average but may wait in the kernel on locks the
+        device's threads hold (see :meth:`Namespace.rmdir`)."""
         self.thread_calls += 1
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 

@@ -365,7 +365,7 @@ class Handlers:
         with self._op("fsyncdir"):
             h = self.handles.get(fh)
             if isinstance(h, DirHandle) and h.inode != CONTROL_DIR:
-                await self.meta.run(self.tree.fsync_dir, self.inodes.rel(self.inodes.get(h.inode)))
+                await self.meta.in_thread(self.tree.fsync_dir, self.inodes.rel(self.inodes.get(h.inode)))  # an fsync: never inline
 
     # -- namespace: changing -------------------------------------------------------------------
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: RequestCtx) -> Attr:
@@ -619,7 +619,7 @@ class Handlers:
                 await self._after_passthrough(h)
             df = h.dirty if isinstance(h, FileHandle) else None
             if isinstance(h, FileHandle) and h.lease is not None and h.lease.key[0] == "backing" and h.file is not None:  # type: ignore[index]
-                await self.meta.run(os.fsync, h.file.fd)  # written in the backing file in place
+                await self.meta.in_thread(os.fsync, h.file.fd)  # written in the backing file in place
                 return
             if isinstance(h, FileHandle) and df is None and h.lease is not None and h.lease.writable:
                 entry = self.inodes.by_inode.get(h.inode)

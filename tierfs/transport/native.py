@@ -38,6 +38,7 @@ from typing import Any
 
 import trio
 
+from tierfs import loopwatch
 from tierfs.errors import MountError
 from tierfs.fs.api import Ctx, FuseError, OpenReply, SetAttr
 from tierfs.fs.handlers import Handlers
@@ -423,7 +424,9 @@ class NativeSession:
                     self._start_worker(nursery)  # someone must go on reading meanwhile
                 job = self._dispatch(raw)
                 if job is not None:
-                    task.name = _TASK_NAMES.get(job[0].opcode, "fuse.?")  # the loop watch names it
+                    # the loop watch names it: by the task's name while the handler waits, by
+                    # ``request`` when the step that ran it ends in this loop (it did not wait)
+                    task.name = loopwatch.request[0] = _TASK_NAMES.get(job[0].opcode, "fuse.?")
                     await self._serve(*job)
                     task.name = "fuse.worker"
                 self._burst += 1
