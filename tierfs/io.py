@@ -48,7 +48,8 @@ class Device:
     exponentially weighted mean of their durations (weight ``EWMA_WEIGHT``) stays under this
     and no call took ``SPIKE_FACTOR`` times as long (one that slept: two within
     ``CONFIRM_CALLS`` calls); otherwise all calls go to threads for ``thread_period`` seconds,
-    after which inline is tried again. For backing-store
+    after which inline is tried again (a probe: see ``PROBE_CALLS``, the period doubles each
+    time a probe fails, like a retransmission timeout). For backing-store
     metadata this measured 4x faster ``ls -lR`` (1.05 s -> 0.26 s for 1000 files: a thread hop
     costs more than a cached ``lstat``), while a cold HDD lookup (~10 ms) costs the loop one
     stall. For writes into the write tier, one call slowed by the kernel's dirty-page throttling
@@ -60,6 +61,14 @@ class Device:
     EWMA_WEIGHT = 0.1
     SPIKE_FACTOR = 10.0
     CONFIRM_CALLS = 64  # a slow call that slept sends calls to threads if another did within these
+    # Back-off: inline calls after a thread period are a probe; if calls go back to threads
+    # within PROBE_CALLS of them, the next period is twice as long (at most MAX_PERIOD_FACTOR
+    # times ``thread_period``), and in a probe one slow call that slept is enough. With ``dd``
+    # keeping the page cache full beside a test, backing-store lookups and readdirs retried
+    # inline every 2 s and slept 50-105 ms each time (9 times in one test); a probe that
+    # lasts PROBE_CALLS calls ends it, and the period is ``thread_period`` again.
+    PROBE_CALLS = 256
+    MAX_PERIOD_FACTOR = 16
 
     def __init__(self, name: str, depth: int, *, inline_under: float | None = None,
                  thread_period: float = THREAD_PERIOD_S, yield_every: int = 1) -> None:
@@ -78,6 +87,8 @@ class Device:
         self.slow_inline_calls = 0
         self._unyielded = 0
         self._spike_call = -(1 << 30)  # inline_calls at the last unconfirmed spike
+        self.period = thread_period  # the next thread period (seconds; grows in a back-off)
+        self._probe_from: int | None = None  # inline_calls when calls last went to threads
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run blocking ``fn(*args)``: in a worker thread under this device's limiter, or
@@ -112,6 +123,9 @@ class Device:
                         took = time.thread_time() - cpu
                         slept = False
                     self.inline_calls += 1
+                    probing = self._probe_from is not None
+                    if probing and self.inline_calls - self._probe_from > self.PROBE_CALLS:  # type: ignore[operator]
+                        self._probe_from, self.period, probing = None, self.thread_period, False
                     spike_at = self.SPIKE_FACTOR * self.inline_under
                     # one outlier moves the mean by at most half the limit: alone it is judged
                     # as a spike, below
@@ -119,7 +133,8 @@ class Device:
                     spike = took > spike_at
                     if took > self.inline_under:
                         self.slow_inline_calls += 1
-                    if spike and slept and self.inline_calls - self._spike_call > self.CONFIRM_CALLS:
+                    if (spike and slept and not probing
+                            and self.inline_calls - self._spike_call > self.CONFIRM_CALLS):
                         # A call that slept that long is a slow device (a cold HDD lookup) or
                         # a short sleep followed by a long wait for a CPU (4 DataLoader workers
                         # on 2 cores): only a second one soon after says which. One such stall
@@ -128,7 +143,10 @@ class Device:
                         self._spike_call = self.inline_calls
                         spike = False
                     if self._mean_s > self.inline_under or spike:
-                        self._threads_until = now + took + self.thread_period
+                        if probing:
+                            self.period = min(2 * self.period, self.MAX_PERIOD_FACTOR * self.thread_period)
+                        self._threads_until = now + took + self.period
+                        self._probe_from = self.inline_calls
                         self._mean_s = 0.0
         return await self.in_thread(fn, *args)
 
