@@ -92,33 +92,34 @@ async def test_a_second_spike_sends_calls_to_threads(clock: FakeClock) -> None:
 
 
 async def test_a_failed_probe_doubles_the_thread_period(clock: FakeClock) -> None:
-    """Back-off: after a thread period, one slow call that slept sends calls back to threads
-    for twice as long (up to MAX_PERIOD_FACTOR times the period); a probe that lasts
-    PROBE_CALLS calls ends the back-off."""
+    """Back-off: when calls go back to threads within PROBE_CALLS inline calls after a thread
+    period, the next period is twice as long (up to MAX_PERIOD_FACTOR times the period); a
+    probe that lasts PROBE_CALLS calls ends the back-off. A probe, like any inline run, needs
+    two slow calls that slept to go back to threads."""
     dev = Device("t", 2, inline_under=0.001, thread_period=1.0)
+
+    async def threads_for() -> float:
+        start = clock.now
+        while not await dev.run(on_loop_thread(clock)):
+            clock.now += 0.05
+        return round(clock.now - start, 1)
 
     assert await dev.run(on_loop_thread(clock, 0.015))
     assert await dev.run(on_loop_thread(clock, 0.015))  # confirmed: threads for 1 s
     periods = []
     for _ in range(6):
-        start = clock.now
-        while not await dev.run(on_loop_thread(clock)):
-            clock.now += 0.05
-        periods.append(round(clock.now - start, 1))
-        assert await dev.run(on_loop_thread(clock, 0.015))  # the probe's first call sleeps: back
+        periods.append(await threads_for())
+        assert await dev.run(on_loop_thread(clock, 0.015))  # one alone: still inline
+        assert await dev.run(on_loop_thread(clock, 0.015))  # the second: back to threads
     assert periods == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0]
-    while not await dev.run(on_loop_thread(clock)):
-        clock.now += 0.05
+    assert dev.period == 16.0
+    await threads_for()
     for _ in range(Device.PROBE_CALLS + 1):  # a probe that lasts
         assert await dev.run(on_loop_thread(clock))
     assert dev.period == 1.0
-    assert await dev.run(on_loop_thread(clock, 0.015))  # one spike alone: inline again
-    assert await dev.run(on_loop_thread(clock))
+    assert await dev.run(on_loop_thread(clock, 0.015))
     assert await dev.run(on_loop_thread(clock, 0.015))  # confirmed: threads for 1 s again
-    start = clock.now
-    while not await dev.run(on_loop_thread(clock)):
-        clock.now += 0.05
-    assert round(clock.now - start, 1) == 1.0
+    assert await threads_for() == 1.0
 
 
 async def test_without_inline_limit_every_call_is_threaded(clock: FakeClock) -> None:

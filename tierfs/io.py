@@ -63,10 +63,11 @@ class Device:
     CONFIRM_CALLS = 64  # a slow call that slept sends calls to threads if another did within these
     # Back-off: inline calls after a thread period are a probe; if calls go back to threads
     # within PROBE_CALLS of them, the next period is twice as long (at most MAX_PERIOD_FACTOR
-    # times ``thread_period``), and in a probe one slow call that slept is enough. With ``dd``
-    # keeping the page cache full beside a test, backing-store lookups and readdirs retried
-    # inline every 2 s and slept 50-105 ms each time (9 times in one test); a probe that
-    # lasts PROBE_CALLS calls ends it, and the period is ``thread_period`` again.
+    # times ``thread_period``). With ``dd`` keeping the page cache full beside a test,
+    # backing-store lookups and readdirs retried inline every 2 s and slept 50-105 ms each
+    # time (9 times in one test). A probe that lasts PROBE_CALLS calls ends the back-off (the
+    # period is ``thread_period`` again). A probe still needs two slow calls that slept, as
+    # any other inline run: one alone is as often a short sleep and a long wait for a CPU.
     PROBE_CALLS = 256
     MAX_PERIOD_FACTOR = 16
 
@@ -133,8 +134,7 @@ class Device:
                     spike = took > spike_at
                     if took > self.inline_under:
                         self.slow_inline_calls += 1
-                    if (spike and slept and not probing
-                            and self.inline_calls - self._spike_call > self.CONFIRM_CALLS):
+                    if spike and slept and self.inline_calls - self._spike_call > self.CONFIRM_CALLS:
                         # A call that slept that long is a slow device (a cold HDD lookup) or
                         # a short sleep followed by a long wait for a CPU (4 DataLoader workers
                         # on 2 cores): only a second one soon after says which. One such stall
@@ -147,6 +147,7 @@ class Device:
                             self.period = min(2 * self.period, self.MAX_PERIOD_FACTOR * self.thread_period)
                         self._threads_until = now + took + self.period
                         self._probe_from = self.inline_calls
+                        self._spike_call = -(1 << 30)  # the probe starts afresh
                         self._mean_s = 0.0
         return await self.in_thread(fn, *args)
 
