@@ -60,7 +60,8 @@ META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (
 # after a slow metadata call, calls go to threads for this long before inline is tried again:
 # one 15 ms listdir (a sleep in the kernel) sent a whole small-file epoch to threads with the
 # default 30 s, and warm-cache epochs ran at 1,100 files/s instead of 4,150 (a thread hand-off
-# per open); on a slow disk, 2 s costs at most one slow inline call (~10 ms) every 2 s
+# per open); on a slow disk, 2 s costs at most two slow inline calls (~10 ms) every 2 s, and
+# each failed try doubles the period (io.Device.PROBE_CALLS: up to 32 s)
 META_THREAD_PERIOD_S = 2.0
 DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
 DIRTY_THREAD_PERIOD_S = 2.0
