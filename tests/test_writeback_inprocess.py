@@ -146,6 +146,63 @@ def tmp_names(disks: Disks) -> list[str]:
     return [n for n in os.listdir(disks.back) if n.startswith(".tierfs-wb.")]
 
 
+# -- an unlink while the file is written back ------------------------------------------------------
+async def test_unlink_during_write_back_leaves_no_temporary_file_after_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dirty file unlinked (or replaced by a rename) while its write-back copies it into a
+    temporary file: the journal row keeps naming that temporary file until the write-back has
+    removed it, so ``kill -9`` in between leaves it to recovery. (The crash loop found one left
+    on the backing store for good: the row had been removed at the unlink.)"""
+    from tierfs.writeback import worker
+
+    copying, release = threading.Event(), threading.Event()
+    real = worker._copy_data
+    slices = 0
+
+    def held_copy(*args):  # type: ignore[no-untyped-def]
+        nonlocal slices
+        slices += 1
+        if slices == 2:  # the copy has started: hold it here
+            copying.set()
+            release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(worker, "_copy_data", held_copy)
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, slice_size=4 * KiB, deadline_s=3600) as wb:
+        await write_file(wb, b"f", b"x" * (64 * KiB))
+        df = wb.get(b"f")
+        assert df is not None
+        n_wait = trio.Event()
+
+        async def flush() -> None:
+            with contextlib.suppress(Exception):
+                await wb.wait_durable(None, timeout=30)
+            n_wait.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flush)
+            await trio.to_thread.run_sync(copying.wait, 10)
+            assert df.tmp is not None and tmp_names(disks)
+            assert await wb.unlink(df)
+            crashed = disks.snapshot(tmp_path / "snap")  # kill -9 now
+            release.set()
+            await n_wait.wait()
+        for _ in range(500):  # the write-back stops at its next slice
+            if df.wb_done is None:
+                break
+            await trio.sleep(0.01)
+        assert tmp_names(disks) == []  # no crash: the write-back removed it
+        assert [r for r in wb.journal.rows() if r.id == df.id] == []
+    assert tmp_names(crashed)  # it was there at the kill
+    monkeypatch.setattr(worker, "_copy_data", real)
+    async with instance(crashed) as wb:
+        await wb.wait_durable(None, timeout=30)
+        assert wb.journal.rows() == []
+    assert tmp_names(crashed) == []
+    assert os.listdir(crashed.back) == []
+
+
 # -- the event loop never waits for a disk ------------------------------------------------------
 @pytest.mark.parametrize("tier_inline", [False, True], ids=["disk-tier", "ram-tier"])
 async def test_small_data_files_are_removed_off_the_loop_on_a_disk_tier(

@@ -133,6 +133,9 @@ class DirtyFile:
     backing_id: tuple[int, int] | None = None
     dir_times: tuple[tuple[int, int], int] | None = None  # dir times around a write-through's start
     tmp: bytes | None = None
+    # the journal row outlives the file (unlinked while its write-back was copying into
+    # ``tmp``): the write-back removes it once it has removed ``tmp`` (see WriteBack._discard)
+    drop_row: bool = False
     accounted: int = 0  # bytes charged to the write tier
     error: str | None = None
     retry_at: float = 0.0
@@ -994,8 +997,16 @@ class WriteBack:
             df.close_pending = True  # closed when the last user is done
         else:
             _close_released(df, self._remove_data)
-        with contextlib.suppress(OSError):
-            self.journal.remove(df.id)
+        if df.tmp is not None and not df.through:
+            # A write-back is copying into the temporary file the row names: the row stays
+            # until that write-back (stopping at its next slice) has removed the file, so a
+            # crash meanwhile leaves the file to recovery. Removed here, the row left it on the
+            # backing store for good (the crash loop found one: a file replaced by os.replace
+            # while written back, the daemon killed before the copy's next slice).
+            df.drop_row = True
+        else:
+            with contextlib.suppress(OSError):
+                self.journal.remove(df.id)
         self._notify(df, math.inf)
 
     # -- handles ---------------------------------------------------------------------------

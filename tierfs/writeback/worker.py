@@ -151,6 +151,12 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
         tmp, df.tmp = df.tmp, None
         # our own temporary file, whatever became of the file meanwhile
         removed = tmp is not None and await wb.remove_tmp(tmp, dir_times)
+        if df.drop_row and (removed or tmp is None):
+            # unlinked meanwhile: its row waited for this (a file we could not remove stays
+            # named, for the next mount's recovery)
+            df.drop_row = False
+            with contextlib.suppress(OSError):
+                wb.journal.remove(df.id)
         # A file about to be marked clean (below, with no await between) has its row removed
         # at once: forgetting its temporary name first was one more journal commit per file
         # (5 -> 4 per file of tar -x); if the removal fails, the stale name is harmless.
