@@ -173,21 +173,14 @@ async def test_unlink_during_write_back_leaves_no_temporary_file_after_a_crash(
         await write_file(wb, b"f", b"x" * (64 * KiB))
         df = wb.get(b"f")
         assert df is not None
-        n_wait = trio.Event()
-
-        async def flush() -> None:
-            with contextlib.suppress(Exception):
-                await wb.wait_durable(None, timeout=30)
-            n_wait.set()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(flush)
+            # someone waits for it: written back now, not at its deadline
+            nursery.start_soon(partial(wb.wait_durable, None, timeout=30))
             await trio.to_thread.run_sync(copying.wait, 10)
             assert df.tmp is not None and tmp_names(disks)
             assert await wb.unlink(df)
             crashed = disks.snapshot(tmp_path / "snap")  # kill -9 now
             release.set()
-            await n_wait.wait()
         for _ in range(500):  # the write-back stops at its next slice
             if df.wb_done is None:
                 break
