@@ -43,7 +43,9 @@ LOOP_STRICT = os.environ.get("TIERFS_TEST_LOOP_STRICT", "1") != "0"
 # docs/concurrency.md); they check that scale works and the loop stays within tens of ms.
 SCALE_LOOP_BOUND_MS = 100
 # A place whose steps exceed the bound in at least this fraction of all the daemon's steps (and
-# three times) fails the test whatever the loop waited for. With `dd` keeping the page cache full
+# twice on CPU, or three times) fails the test. On CI's slow machine, a test of 163,742 steps had
+# two steps of 51-58 ms on CPU at the two ends of its write loop: noise, at a place that runs
+# in every step. With `dd` keeping the page cache full
 # beside the tests, calls made inline because they are cheap (lookups, readdir, journal commits)
 # slept past the bound in 4e-5 to 2e-4 of the steps (up to 7 times at one place in 250,000
 # steps); a blocking call that belongs in a thread blocks every time its request comes (an
@@ -161,10 +163,10 @@ def loop_offenders(m: Mount) -> Blocked | None:
     """None if the daemon's event loop stayed within its bound, else what blocked it (read from
     its stats before it is unmounted; None also when the daemon cannot answer).
 
-    Fatal when one place (task and where its step began and ended) blocked the loop twice with
-    the loop on CPU for the bound or longer (a computation), or once on CPU for twice the
-    bound, or at least three times and in :data:`BLOCKED_STEPS_FATAL` of the daemon's steps
-    (whatever it waited for). Anything else is a warning: code that blocks does so each time
+    Fatal when one place (task and where its step began and ended) blocked the loop in
+    :data:`BLOCKED_STEPS_FATAL` of the daemon's steps and twice with the loop on CPU for the
+    bound or longer (a computation), or three times whatever it waited for; or once on CPU for
+    twice the bound. Anything else is a warning: code that blocks does so each time
     it runs, while single steps over the bound at a place are what a loaded machine does to any
     code. Seen on the shared 2-core VMs, once per place, never repeating: 50-65 ms steps in
     pyfuse3's own request loop with no tierfs handler in them, on CPU (the host steals CPU
@@ -183,8 +185,8 @@ def loop_offenders(m: Mount) -> Blocked | None:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), **loop}) + "\n")
     worst = sorted(loop["offenders"].items(), key=lambda kv: -kv[1]["worst_ms"])
     bound = loop["bound_ms"]
-    often = max(3, loop["steps"] * BLOCKED_STEPS_FATAL)
-    fatal = any(v["count"] >= often or (v["count"] >= 2 and v["worst_cpu_ms"] >= bound)
+    often = loop["steps"] * BLOCKED_STEPS_FATAL
+    fatal = any(v["count"] >= max(3, often) or (v["count"] >= max(2, often) and v["worst_cpu_ms"] >= bound)
                 or v["worst_cpu_ms"] >= 2 * bound for v in loop["offenders"].values())
     return Blocked(f"the daemon's event loop was blocked longer than {bound:.0f} ms in "
             f"{loop['over']} of {loop['steps']} steps (worst {loop['worst_ms']:.1f} ms): "

@@ -51,6 +51,8 @@ def test_daemon_without_the_watch_reports_null(tmp_path: Path, monkeypatch: pyte
     ({"WriteBack.run @ sched/scheduler.py:233 -> writeback/worker.py:56": (1, 213.9, 22.0)}, 1, 213.9, False, 1000),
     ({"a": (1, 57.7, 56.1), "b": (1, 51.0, 45.7), "c": (1, 53.0, 50.0)}, 3, 57.7, False, 1000),
     ({"pyfuse [forget] @ ? -> end": (2, 51.0, 3.0)}, 2, 51.0, False, 1000),
+    # twice on CPU at a place that runs in every step: 2 of 163,742 steps (CI)
+    ({"fuse.WRITE @ io.py:90 -> sched/scheduler.py:287": (2, 57.7, 56.1)}, 2, 57.7, False, 163_742),
     # asleep in the kernel at one place, 7 times in 250,000 steps (dd filling the page cache)
     ({"pyfuse [lookup] @ ? -> end": (7, 112.3, 0.4)}, 7, 112.3, False, 250_000),
     # code that blocks does so each time it runs
