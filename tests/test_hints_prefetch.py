@@ -5,9 +5,11 @@ bytes of the unhinted one)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,20 @@ class Rig:
         self.cache.close()
 
 
+@contextlib.asynccontextmanager
+async def running(rig: Rig) -> AsyncIterator[None]:
+    """The rig's cache, scheduler and hint service running for the block; closed after it."""
+    try:
+        async with trio.open_nursery() as n:
+            rig.cache.attach(n)
+            await n.start(rig.sched.run)
+            await n.start(rig.hints.run)
+            yield
+            n.cancel_scope.cancel()
+    finally:
+        rig.close()
+
+
 async def _settle(rig: Rig, seconds: float = 1.0) -> None:
     await trio.sleep(seconds)  # mock clock: several prefetch rounds and fetches
     await trio.testing.wait_all_tasks_blocked()
@@ -75,17 +91,12 @@ async def test_prefetch_queues_only_what_the_tier_can_take(tmp_path: Path, autoj
     4 chunks, not a whole budget of chunks no tier will admit on arrival."""
     names = [f"f{i}" for i in range(8)]
     rig = Rig(tmp_path, names, chunks=2, ram_chunks=4)
-    async with trio.open_nursery() as n:
-        rig.cache.attach(n)
-        await n.start(rig.sched.run)
-        await n.start(rig.hints.run)
+    async with running(rig):
         await rig.hints.handle({"op": "epoch", "paths": names, "source": "t"})
         await _settle(rig)
         fetched = sum(rig.reads.values())
         assert fetched == 4, rig.reads
         assert rig.cache.prefetch_wasted == 0
-        n.cancel_scope.cancel()
-    rig.close()
 
 
 async def test_chunk_being_read_is_not_evicted_for_prefetch(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
@@ -94,10 +105,7 @@ async def test_chunk_being_read_is_not_evicted_for_prefetch(tmp_path: Path, auto
     rest of the reader's pass). Each chunk of one pass over the plan is fetched once."""
     names = [f"f{i}" for i in range(6)]
     rig = Rig(tmp_path, names, chunks=2, ram_chunks=3)
-    async with trio.open_nursery() as n:
-        rig.cache.attach(n)
-        await n.start(rig.sched.run)
-        await n.start(rig.hints.run)
+    async with running(rig):
         await rig.hints.handle({"op": "epoch", "paths": names, "source": "t"})
         await _settle(rig)
         for name in names:
@@ -111,8 +119,6 @@ async def test_chunk_being_read_is_not_evicted_for_prefetch(tmp_path: Path, auto
         assert not twice, f"fetched more than once: {twice}"
         assert sum(rig.reads.values()) == 2 * len(names)
         assert rig.cache.check() == []
-        n.cancel_scope.cancel()
-    rig.close()
 
 
 async def test_a_large_plans_counts_are_made_by_the_loop_in_slices(tmp_path: Path, autojump_clock,  # type: ignore[no-untyped-def]
@@ -124,10 +130,7 @@ async def test_a_large_plans_counts_are_made_by_the_loop_in_slices(tmp_path: Pat
 
     names = [f"f{i}" for i in range(8)]
     rig = Rig(tmp_path, names, chunks=2, ram_chunks=4)
-    async with trio.open_nursery() as n:
-        rig.cache.attach(n)
-        await n.start(rig.sched.run)
-        await n.start(rig.hints.run)
+    async with running(rig):
         await rig.hints.handle({"op": "epoch", "paths": names * 3, "source": "t"})
         await _settle(rig)
         inline = rig.hints.statistics()
@@ -140,5 +143,3 @@ async def test_a_large_plans_counts_are_made_by_the_loop_in_slices(tmp_path: Pat
         later = rig.hints.statistics()
         assert later["counts_age_s"] is not None and later["counts_age_s"] <= hints_mod.SUMMARY_MAX_AGE_S
         assert (later["resident_bytes"], later["to_fetch_bytes"]) == (inline["resident_bytes"], inline["to_fetch_bytes"])
-        n.cancel_scope.cancel()
-    rig.close()
