@@ -1053,7 +1053,6 @@ class Cache:
         if unread is not None:
             self.prefetch_wasted += unread
         t = entry.tier
-        tier = self.tiers[t]
         self.residency[t].remove(cid)
         if self.plan is not None:
             self.plan.forget_chunk(cid)
