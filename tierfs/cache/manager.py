@@ -180,6 +180,8 @@ class Cache:
         # tier's threads; a chunk is not written to that tier file until they are done, or the
         # late punch or unlink would destroy it (see _quiet).
         self._tier_busy: dict[tuple[int, ChunkId | str], trio.Event] = {}
+        # bytes per tier whose chunks are being punched: still accounted, out of the catalog
+        self._freeing = [0] * len(tiers)
         self._nursery: trio.Nursery | None = None
         self.staging_hits = 0
         self.staging_bytes_served = 0
@@ -929,9 +931,11 @@ class Cache:
         order: a chunk placed while a punch runs in the tier's thread must not find room whose
         blocks are still allocated (released first, the tier directory grew ~1.3 MiB past a
         48 MiB tier's limit in a test of 1 MiB chunks)."""
+        self._freeing[t] += blocks(length)
         try:
             await self._punch(t, cid, length)
         finally:
+            self._freeing[t] -= blocks(length)
             self.tiers[t].release(length)
 
     async def _make_room(self, t: int, need: int, prior: int, newcomer: ChunkId | None = None) -> bool:
@@ -1173,7 +1177,8 @@ class Cache:
         problems = []
         for t, tier in enumerate(self.tiers):
             entries = [(c, e) for c, e in self.catalog.entries.items() if e.tier == t]
-            accounted = sum(blocks(e.length) for _, e in entries)
+            # chunks being punched are out of the catalog and still accounted
+            accounted = sum(blocks(e.length) for _, e in entries) + self._freeing[t]
             if tier.used + tier.dirty > tier.capacity:
                 problems.append(f"{tier.name}: used {tier.used} + dirty {tier.dirty} > capacity {tier.capacity}")
             if accounted > tier.used:
