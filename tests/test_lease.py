@@ -404,6 +404,25 @@ async def test_passthrough_writes_are_written_back_with_size_and_content(tmp_pat
         assert s.passthrough_changes >= 1
 
 
+async def test_a_lease_opens_its_data_file_through_the_attribute_device(tmp_path: Path) -> None:
+    """The data file's open and the tier's statvfs of a writable lease go through the write
+    tier's attribute device (inline while cheap on a RAM tier), not the data device's threads:
+    two thread hand-offs per file of a ``tar -x`` passed through (tar -x 31 -> 26 s)."""
+    from tierfs.io import Device
+
+    disks = Disks(tmp_path)
+    attrs = Device("attrs", 4, inline_under=1.0)
+    async with instance(disks, attr_device=attrs) as wb:
+        before = wb.device.thread_calls
+        df, lease = await _open_leased(wb, b"f")
+        assert wb.device.thread_calls == before, "the lease's calls went to the tier's threads"
+        assert attrs.inline_calls >= 2
+        os.pwrite(lease.fd, b"abc", 0)
+        await _close_leased(wb, df, lease)
+        await wb.wait_durable(None, timeout=30)
+        assert backing_bytes(disks, "f") == b"abc"
+
+
 async def test_data_leases_share_a_descriptor_per_access_mode(tmp_path: Path) -> None:
     disks = Disks(tmp_path)
     async with instance(disks) as wb:

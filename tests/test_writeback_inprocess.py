@@ -81,7 +81,8 @@ class Disks:
 @contextlib.asynccontextmanager
 async def instance(disks: Disks, *, tier_bytes: int = 1 << 30, slice_size: int = 16 * KiB,
                    deadline_s: float = 0.0, journal_cls: type[Journal] = Journal,
-                   recover: bool = True, tier_inline: bool = False) -> AsyncIterator[WriteBack]:
+                   recover: bool = True, tier_inline: bool = False,
+                   attr_device: Device | None = None) -> AsyncIterator[WriteBack]:
     """A WriteBack on ``disks`` with its scheduler and worker running. Leaving the block stops
     it the way ``kill -9`` does as far as the disks go: tasks are cancelled, descriptors closed
     (the kernel would), nothing is cleaned up or written back."""
@@ -103,7 +104,7 @@ async def instance(disks: Disks, *, tier_bytes: int = 1 << 30, slice_size: int =
     wb = WriteBack(backing_root=os.fsencode(disks.back), tier=tier, tier_index=0,
                    device=Device("ssd", 4), data_device=Device("data", 4, inline_under=1.0),
                    scheduler=sched, journal=journal, make_room=make_room, deadline_s=deadline_s,
-                   slice_size=slice_size)
+                   slice_size=slice_size, attr_device=attr_device)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run)
