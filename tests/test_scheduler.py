@@ -319,3 +319,57 @@ async def test_a_waiting_reader_wakes_when_its_chunk_is_there(autojump_clock, na
         await trio.sleep(1)
         n.cancel_scope.cancel()
     assert woke[0] - t0 == pytest.approx(SEEK + wakes_after_chunks * CS / RATE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "del", "pop", "pop_missing", "clear"]),
+                          st.integers(0, 3), st.integers(0, 5)), max_size=60))
+def test_class_queue_index_follows_every_change(ops: list[tuple[str, int, int]]) -> None:
+    """The per-file index of a class queue always names exactly the queued chunks of each file,
+    in arrival order, whatever sequence of assignments, deletions, pops and clears it saw."""
+    from tierfs.sched.scheduler import ClassQueue
+
+    q = ClassQueue()
+    model: dict[tuple[str, int], object] = {}
+    for op, f, i in ops:
+        cid = (f"f{f}", i)
+        if op == "set":
+            q[cid] = model[cid] = object()  # type: ignore[assignment]
+        elif op == "del" and cid in model:
+            del q[cid], model[cid]
+        elif op == "pop":
+            assert q.pop(cid, None) is model.pop(cid, None)
+        elif op == "pop_missing" and cid not in model:
+            with pytest.raises(KeyError):
+                q.pop(cid)
+        elif op == "clear":
+            q.clear()
+            model.clear()
+        assert dict(q) == model
+        want: dict[str, list[tuple[str, int]]] = {}
+        for c in model:
+            want.setdefault(c[0], []).append(c)
+        assert {k: list(v) for k, v in q.by_file.items()} == want
+
+
+async def test_closing_a_file_drops_only_its_unwaited_readahead(autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """cancel_speculative(key) drops the queued speculative fetches of that file nobody waits
+    for, and nothing of any other file or class (it finds them through the per-file index)."""
+    disk = FakeDisk()
+    a, b, busy = bfile("a", 1), bfile("b", 2), bfile("busy", 3)
+    async with trio.open_nursery() as n:
+        sched = await start(n, disk, slice_size=CS)
+        n.start_soon(sched.fetch, busy, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(0, 20, 2):  # not adjacent: each its own run
+            sched.submit(a, i, Klass.SPECULATIVE)
+            sched.submit(b, i, Klass.SPECULATIVE)
+        sched.submit(a, 40, Klass.DEADLINE, deadline=trio.current_time() + 100)
+        n.start_soon(sched.fetch, a, 30, Klass.SPECULATIVE)  # waited for: kept
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.cancel_speculative(a.key) == 10
+        assert sched.cancel_speculative(a.key) == 0
+        await trio.sleep(10)
+        n.cancel_scope.cancel()
+    fetched = sorted((name, first) for name, first, *_ in disk.log)
+    assert fetched == sorted([("busy", 0), ("a", 30), ("a", 40)] + [("b", i) for i in range(0, 20, 2)])
