@@ -350,6 +350,9 @@ def test_class_queue_index_follows_every_change(ops: list[tuple[str, int, int]])
         for c in model:
             want.setdefault(c[0], []).append(c)
         assert {k: list(v) for k, v in q.by_file.items()} == want
+    for bypass in (lambda: q.update({("f0", 0): 1}), lambda: q.setdefault(("f0", 0), 1), q.popitem):
+        with pytest.raises(TypeError):  # a change the index would not see is refused, not silent
+            bypass()
 
 
 async def test_closing_a_file_drops_only_its_unwaited_readahead(autojump_clock) -> None:  # type: ignore[no-untyped-def]

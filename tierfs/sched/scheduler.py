@@ -153,6 +153,11 @@ class ClassQueue(dict[ChunkId, "FetchRequest | IoTask"]):
         super().clear()
         self.by_file.clear()
 
+    def _bypasses_index(self, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        raise TypeError("ClassQueue: use item assignment, del, pop or clear (the per-file index follows only those)")
+
+    update = setdefault = popitem = __ior__ = _bypasses_index  # type: ignore[assignment]
+
     def _unindex(self, cid: ChunkId) -> None:
         ids = self.by_file.get(cid[0])
         if ids is not None:
