@@ -534,6 +534,13 @@ class TransactionScheduler:
                 req.error = error
             req.done.set()
             req.file.release()
+            if view is not None and i + 1 < len(run):
+                # Each chunk of a run is copied out of the run's buffer; one step per chunk
+                # keeps the loop's steps short and wakes this chunk's readers before the next
+                # copy. A 7-chunk run copied in one step held the loop 71.6 ms (30.4 ms on
+                # CPU) on a loaded 2-core CI machine. Shielded: the chunks left must still
+                # be completed.
+                await trio.lowlevel.cancel_shielded_checkpoint()
 
     # -- statistics ------------------------------------------------------------------------
     def _record_wait(self, seconds: float) -> None:
