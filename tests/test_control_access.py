@@ -25,7 +25,7 @@ from tierfs.cache.tier import Tier
 from tierfs.errors import HintDenied, HintError
 from tierfs.fs import ctl
 from tierfs.io import Device
-from tierfs.predict.hints import HintService
+from tierfs.predict.hints import EncodedList, HintService
 from tierfs.sched.backing import Identity
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs_hints import wire
@@ -231,6 +231,30 @@ def _lists(v: object) -> object:
 def test_parser_agrees_with_json(doc: dict, indent: int | None) -> None:
     data = json.dumps(doc, indent=indent, ensure_ascii=False).encode() + b"\n"
     assert _lists(ctl.parse_now(data)) == _lists(json.loads(data))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["ok", "n", "files", "missing"]), st.one_of(
+    st.lists(json_values, max_size=2500), json_values), max_size=4),
+    st.lists(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2), max_size=3000), st.integers(1, 9))
+def test_reply_encoder_agrees_with_json(reply: dict, entries: list, per: int) -> None:
+    """The reply line decodes to the reply, its long lists encoded slice by slice and an
+    EncodedList (JSON fragments of ``per`` entries each) joined as it is."""
+    line = ctl.run_now(ctl.encode_steps(reply))
+    assert line.endswith(b"}\n") and json.loads(line) == json.loads(json.dumps(reply))
+    encoded = EncodedList(json.dumps(entries[i:i + per])[1:-1] for i in range(0, len(entries), per))
+    line = ctl.run_now(ctl.encode_steps({**reply, "files": encoded}))
+    assert json.loads(line) == {**json.loads(json.dumps(reply)), "files": entries}
+
+
+def test_reply_encoder_long_lists() -> None:
+    """Lists and EncodedLists longer than a slice: the pieces join with one separator each."""
+    n = 3 * ctl.SLICE + 7
+    entries = [{"i": i} for i in range(n)]
+    encoded = EncodedList(json.dumps([e])[1:-1] for e in entries)
+    reply = {"ok": True, "missing": [f"m{i}" for i in range(n)], "files": encoded}
+    assert json.loads(ctl.run_now(ctl.encode_steps(reply))) == {**reply, "files": entries}
+    assert json.loads(ctl.run_now(ctl.encode_steps({"files": encoded}))) == {"files": entries}
 
 
 def test_parser_caps_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:

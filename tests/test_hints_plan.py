@@ -342,3 +342,32 @@ async def test_next_file_events_reach_the_predictor_in_request_order(tmp_path: P
     hints._nursery = None
     hints.close()
     cache.close()
+
+
+async def test_where_of_many_paths_holds_no_object_per_path_for_the_collector(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """A `where` of thousands of paths answers every path, and its reply keeps no object the
+    garbage collector tracks per path (JSON text instead of a dict each): with 500,000 such
+    dicts alive, each full collection held the daemon's event loop 100-280 ms."""
+    from tierfs.fs import ctl
+    from tierfs.predict.hints import EncodedList
+
+    backing = tmp_path / "back"
+    backing.mkdir()
+    (backing / "a").write_bytes(bytes(3 * CS // 2))
+    (backing / "b").write_bytes(b"xy")
+    plan, sched, cache, hints = _hint_service(tmp_path, backing, budget=4 * CS)
+    paths = ["a", "b", "nope"] * 1000
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        reply = await hints.handle({"op": "where", "paths": paths})
+        n.cancel_scope.cancel()
+    hints.close()
+    cache.close()
+    files = reply["files"]
+    assert isinstance(files, EncodedList)
+    assert not any(gc.is_tracked(x) for x in files)
+    got = json.loads(ctl.run_now(ctl.encode_steps(reply)))["files"]
+    assert [g["path"] for g in got] == paths
+    assert got[0]["size"] == 3 * CS // 2 and got[1]["size"] == 2 and got[2] == {"path": "nope", "missing": True}
+    assert got[0]["resident_bytes"]["ram"] == 0 and got[0]["dirty_bytes"] == 0

@@ -16,7 +16,7 @@ import resource
 import stat
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -362,3 +362,14 @@ class Pacer:
             await trio.sleep(self.pause_s)
             self.pauses += 1
             self._since = time.monotonic()
+
+
+async def free_in_slices(lists: list[list[Any]], pacer: Pacer, piece: int = 4096) -> None:
+    """Empty each of ``lists`` ``piece`` entries at a time, ``await pacer.step()`` between
+    pieces. Dropping the last reference to a list of a million objects frees them all in one
+    step: the 500,000 entries of a control request's reply held the event loop 418 ms on
+    CPU when its task ended (2-core VM, loaded)."""
+    for lst in lists:
+        while lst:
+            del lst[-piece:]
+            await pacer.step()
