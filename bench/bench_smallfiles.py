@@ -116,8 +116,10 @@ def mounted(kind: str, back: Path, tierfs_args: list[str]) -> Iterator[Path]:
 
 def tierfs_flush(mnt: Path) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "tierfs", "flush", str(mnt), "--timeout", "900"], cwd=REPO,
-                   capture_output=True, timeout=1000, check=True)
+    r = subprocess.run([sys.executable, "-m", "tierfs", "flush", str(mnt), "--timeout", "900"], cwd=REPO,
+                       capture_output=True, text=True, timeout=1000)
+    if r.returncode:
+        raise RuntimeError(f"tierfs flush {mnt} exited {r.returncode}: {r.stdout}{r.stderr}")
     return time.perf_counter() - t
 
 

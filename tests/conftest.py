@@ -62,8 +62,8 @@ def scale_loop_bound(monkeypatch: pytest.MonkeyPatch) -> int:
 # The FUSE transport the real-mount fixtures mount with (tierfs.transport): TIERFS_TEST_TRANSPORT
 # = pyfuse3 | native | both (each real-mount test once per transport). Tests that mount through
 # ``tierfs_cmd("mount", ...)`` themselves get the current one too. Default both (what `make test`
-# and CI run): the whole suite took 16:52 for 761 tests on the 2-core machine at load ~4 (native
-# alone 15:56 at load 7-10), inside CI's ~30 minutes.
+# and CI run): the whole suite of ~900 tests took 37:33 in CI (2026-12-02) and 47:06 on a slow
+# day here, on 2 cores, inside CI's 90 minutes.
 TRANSPORT_CHOICE = os.environ.get("TIERFS_TEST_TRANSPORT", "both")
 if TRANSPORT_CHOICE not in ("pyfuse3", "native", "both"):
     raise pytest.UsageError(f"TIERFS_TEST_TRANSPORT={TRANSPORT_CHOICE!r}: pyfuse3, native or both")

@@ -357,7 +357,8 @@ class ControlCommands:
         except Exception as e:  # noqa: BLE001 - a control request never harms the daemon
             kind = "error"
             log.exception("control request of uid %d failed", caller.uid)
-            reply = {"ok": False, "error": _bounded(str(e))}
+            # an exception with no text (TooSlowError, AssertionError) still says what it was
+            reply = {"ok": False, "error": _bounded(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)}
         if kind:
             self.refused[kind] += 1
             if kind != "timeout":

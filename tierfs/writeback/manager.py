@@ -1314,9 +1314,14 @@ class WriteBack:
             events.append(ev)
             waited.append(os.fsdecode(df.path))
         self._wake.set()
-        with trio.fail_after(timeout):
+        # not trio.fail_after: its TooSlowError is no TimeoutError, and the control command
+        # (which answers "timed_out" and lets the client ask again) catches TimeoutError
+        with trio.move_on_after(timeout) as scope:
             for ev in events:
                 await ev.wait()
+        if scope.cancelled_caught:
+            raise TimeoutError(f"{sum(not ev.is_set() for ev in events)} of {len(events)} file(s) "
+                               f"not yet durable after {timeout:g} s")
         failed = [os.fsdecode(df.path) for df in todo if df.error and df.path is not None and df.durable_gen < df.gen]
         if failed:
             raise BackingIOError(", ".join(failed), OSError(errno.EIO, "write-back failed"))
