@@ -241,10 +241,14 @@ def _flush(mnt: str, rel: list[str], timeout: float) -> dict[str, Any]:
     """The daemon answers a flush within ~10 s (timed_out when not done yet): loop until done
     or ``timeout`` seconds. Ctrl-C works between the requests."""
     end = time.monotonic() + timeout
+    waited: dict[str, None] = {}  # each reply names the files its request waited for
     while True:
         left = max(0.0, end - time.monotonic())
         reply = _command(mnt, {"op": "flush", "paths": rel, "timeout": left})
+        waited.update(dict.fromkeys(reply.get("waited") or []))
         if not reply.get("timed_out") or left <= 0:
+            if reply.get("ok"):
+                reply["waited"] = list(waited)
             return reply
 
 
@@ -262,6 +266,10 @@ def cmd_flush(args: argparse.Namespace) -> int:
     reply = _flush(mnt, rel, args.timeout)
     if not reply.get("ok"):
         print(f"tierfs: flush: {reply.get('error')}", file=sys.stderr)
+        return 1
+    if reply.get("timed_out"):
+        print(f"tierfs: flush: timed out after {args.timeout:g}s; files are still being written back",
+              file=sys.stderr)
         return 1
     waited = reply["waited"]
     print(f"tierfs: {len(waited)} file(s) durable on the backing store after {time.monotonic() - t0:.1f}s")
