@@ -11,6 +11,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -415,7 +416,13 @@ def test_redteam_huge_directory_listing_stalls_everyone(monkeypatch: pytest.Monk
     m = secmount(allow_other=True)
     r = attacker.py("import os, sys; print(len(os.listdir(sys.argv[1])))", str(m.mnt / "atk"), timeout=300)
     assert r.returncode == 0 and int(r.stdout) == 300000, r.stderr.decode()[-2000:]
-    assert loop_offenders(m) is None
+    # Judged as every test's loop is (tests.conftest.loop_offenders): the stall this test is
+    # about held the loop 1.5 s on CPU, which is fatal there; a single step preempted by the
+    # host (58 ms of wall time, 15 ms on CPU, in a full run on a loaded VM) is only reported
+    blocked = loop_offenders(m)
+    assert blocked is None or not blocked.fatal, blocked.text
+    if blocked is not None:
+        warnings.warn(blocked.text, stacklevel=1)
 
 
 def test_redteam_daemon_imports_tierfs_from_cwd(attacker: User, secmount, shared_dir: Path) -> None:
