@@ -415,7 +415,13 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
     t = threading.Thread(target=trio.run, args=(serve,), daemon=True)
     t.start()
     try:
-        reader = subprocess.Popen([sys.executable, "-c", f"open({str(mnt / 'hang')!r}, 'rb').read(10)"])
+        # SIGINT handled as Python does in a terminal: a test run started as a background job
+        # (``make test &``, a script's ``cmd &``) inherits SIGINT ignored, and a Python child
+        # then never installs its handler, so the signal never interrupted its read (the
+        # reader hung 30 s; this test "flaked" in every backgrounded full run)
+        code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                f"open({str(mnt / 'hang')!r}, 'rb').read(10)")
+        reader = subprocess.Popen([sys.executable, "-c", code])
         assert fs.reading.wait(30), "the read never reached the filesystem"
         reader.send_signal(sig)
         assert reader.wait(30) != 0  # killed, not stuck in the kernel waiting for the daemon
