@@ -418,7 +418,7 @@ def test_read_blocked_on_a_hung_backing_read_is_interrupted(tmp_path: Path, tran
         # SIGINT handled as Python does in a terminal: a test run started as a background job
         # (``make test &``, a script's ``cmd &``) inherits SIGINT ignored, and a Python child
         # then never installs its handler, so the signal never interrupted its read (the
-        # reader hung 30 s; this test "flaked" in every backgrounded full run)
+        # reader hung 30 s; the "flake" of full runs started in the background)
         code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
                 f"open({str(mnt / 'hang')!r}, 'rb').read(10)")
         reader = subprocess.Popen([sys.executable, "-c", code])
