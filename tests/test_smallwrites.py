@@ -92,9 +92,9 @@ async def test_journal_commits_per_small_file(tmp_path: Path) -> None:
     disks = Disks(tmp_path / "d")
     async with instance(disks, journal_cls=Counting) as wb:
         del writes[:]
-        for i in range(10):
+        for i in range(10):  # one at a time (files due together are written back in groups)
             await write_file(wb, b"f%d" % i, b"small %d" % i)
-        await wb.wait_durable(None, timeout=30)
+            await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "f9") == b"small 9"
     assert len(writes) == 4 * 10, writes[:12]
 
@@ -115,9 +115,9 @@ async def test_a_small_files_write_back_is_three_backing_transactions(tmp_path: 
 
         wb.sched._run_io = counted
         sizes = [0, 1, 4096, 5000, 64 * 1024]
-        for i, n in enumerate(sizes):
+        for i, n in enumerate(sizes):  # one at a time (not a group: tests/test_writeback_group.py)
             await write_file(wb, b"f%d" % i, os.urandom(n) if n else b"")
-        await wb.wait_durable(None, timeout=30)
+            await wb.wait_durable(None, timeout=30)
     assert calls == 3 * len(sizes)
     for i, n in enumerate(sizes):
         data = backing_bytes(disks, f"f{i}")

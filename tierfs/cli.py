@@ -356,6 +356,8 @@ def _table(doc: dict[str, Any]) -> None:
             ("write-back throughput", f"{wb['throughput_bytes_per_s'] / 1e6:.1f} MB/s"),
             ("time until every dirty byte is durable", "unknown yet" if eta is None else f"{eta:.1f} s"),
             ("slack of the nearest write-back deadline", "-" if nd is None else f"{nd:.1f} s"),
+            ("held for a burst of writes: now / in all",
+             f"{'yes' if wb.get('holding') else 'no'} / {wb.get('hold_seconds', 0.0):.1f} s"),
             ("failures (retried)", str(wb["failures"])),
             ("passthrough opens (for writing) / over the tier's capacity",
              f"{wb.get('passthrough_opens', 0)} ({wb.get('passthrough_writable_opens', 0)}) / "

@@ -177,7 +177,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("write_tier", _choice("auto", "ssd", "ram"), "auto", "tier that absorbs writes: ssd, ram, "
            "or auto (the SSD tier if there is one, else RAM)"),
     Option("writeback_deadline", _duration, 120.0, "seconds after close by which a written file "
-           "should be on the backing store (write-back starts at once when the disk is idle)"),
+           "should be on the backing store (write-back starts at once when the disk is idle, or when a "
+           "burst of writes ends: writeback_hold)"),
+    Option("writeback_hold", _duration, 30.0, "seconds at most a burst of writes (16+ files closed "
+           "per second: tar -x, cp -a) holds the write-back of the files it closed, so that it runs "
+           "after the burst instead of slowing it; never more than half of writeback_deadline. A "
+           "flush, an fsync that waits for the backing store, or a write tier 1/4 full of dirty "
+           "data ends the hold; 0: write back at once"),
     Option("fsync", _choice("tier", "backing"), "tier", "what fsync waits for: durable on the write "
            "tier (tier) or on the backing store (backing)"),
     Option("transport", _choice("auto", "native", "pyfuse3"), "auto", "how the daemon speaks to the "
@@ -243,6 +249,7 @@ class Config:
     eviction: str = "nothrash"
     write_tier: str = "auto"
     writeback_deadline: float = 120.0
+    writeback_hold: float = 30.0
     fsync: str = "tier"
     transport: str = "auto"
     passthrough: str = "on"

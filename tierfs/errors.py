@@ -82,3 +82,17 @@ class DirtyLimit(TierfsError):
     daemon's descriptors until it is written back); answered as EDQUOT."""
 
     errno = _errno.EDQUOT
+
+
+class NotDurableYet(TierfsError, TimeoutError):
+    """A wait for dirty files to reach the backing store ran out of time: ``pending`` of them
+    are not there yet; ``durable`` names the files waited for that got there during the wait (a
+    client that waits again, as ``tierfs flush`` does, reports those as well as the later
+    ones)."""
+
+    errno = _errno.ETIMEDOUT
+
+    def __init__(self, pending: int, waited: int, timeout: float, durable: list[str]) -> None:
+        super().__init__(f"{pending} of {waited} file(s) not yet durable after {timeout:g} s")
+        self.pending = pending
+        self.durable = durable

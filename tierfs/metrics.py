@@ -107,6 +107,8 @@ WRITEBACK: list[Spec] = [
     ("failures", "writeback_failures", C, "Failed write-backs (retried)."),
     ("next_deadline_s", "writeback_next_deadline_seconds", G, "Slack of the nearest write-back deadline."),
     ("late_files", "writeback_late_files", G, "Closed files still dirty past writeback_deadline."),
+    ("holding", "writeback_holding", G, "1 while a burst of writes holds write-back until it ends."),
+    ("hold_seconds", "writeback_hold_seconds", C, "Seconds write-back waited for bursts of writes to end."),
     ("quarantined", "writeback_quarantined_files", G, "Journal entries crash recovery could not honour (kept)."),
     ("journal_errors", "writeback_journal_errors", C, "Journal writes that failed (disk full)."),
     ("passthrough_opens", "writeback_passthrough_opens", C, "Opens of dirty files passed through to their data file."),

@@ -433,7 +433,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         data_device=dirty_data_dev,
         scheduler=scheduler, journal=journal,
         make_room=cache.evict_for, deadline_s=cfg.writeback_deadline, slice_size=profile.slice_size,
-        attr_device=attr_dev,
+        attr_device=attr_dev, hold_s=cfg.writeback_hold,
         # fsync means durable on a persistent tier: a RAM write tier is not one, so there
         # fsync waits for the backing store
         fsync_backing=cfg.fsync == "backing" or wt_name == "ram")

@@ -29,7 +29,7 @@ import trio
 from tierfs import logevents
 from tierfs.access import R_OK, Caller, Resolver
 from tierfs.backing_tree import BackingTree
-from tierfs.errors import HintDenied, HintError
+from tierfs.errors import HintDenied, HintError, NotDurableYet
 from tierfs.io import Device, Pacer, free_in_slices
 from tierfs.predict.hints import (
     MAX_WAIT_S,
@@ -393,10 +393,12 @@ class ControlCommands:
         try:  # short waits (see tierfs.predict.hints.MAX_WAIT_S); clients loop
             waited = await self.writeback.wait_durable(files, min(timeout, MAX_WAIT_S))
             return {"waited": waited, "ok": True}
-        except TimeoutError:
+        except NotDurableYet as e:
             if timeout <= MAX_WAIT_S:
                 raise
-            return {"ok": True, "waited": [], "timed_out": True}
+            # the files that got there during this request: the client's next request names
+            # the rest (tierfs flush reports them all)
+            return {"ok": True, "waited": e.durable, "timed_out": True}
 
     async def _named(self, paths: list[str], caller: Caller) -> list[DirtyFile]:
         resolver = Resolver(self.tree, caller, self.mountpoint)

@@ -9,6 +9,8 @@ import errno
 import fcntl
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tierfs.backing_tree import BackingTree, split
 from tierfs.errors import MountError
@@ -177,6 +179,85 @@ def _commit(tree: BackingTree, tmp: bytes, final: bytes, dir_times: DirTimes | N
         tree.utime(parent, restore)
     tree.fsync_dir(parent)
     return tree.lstat(final)
+
+
+@dataclass
+class GroupItem:
+    """One small file of a group write-back (:func:`_group_create`, :func:`_group_commit`):
+    its temporary name (journaled), final name (in the same directory), data file and size,
+    and ``current()``, which says whether the copy is still of the file's current generation
+    and name. The calls fill in the rest."""
+
+    tmp: bytes
+    final: bytes
+    src_fd: int
+    size: int
+    current: Callable[[], bool]
+    made: bool = False  # created, copied and fsynced under its temporary name
+    outcome: os.stat_result | Exception | None = None  # stat of the committed file, or why not
+    copied: int = 0
+    tmp_left: bool = False  # the temporary file may still exist (the caller removes it)
+
+
+def _group_create(tree: BackingTree, parent: bytes, items: list[GroupItem], limit: int) -> DirTimes:
+    """The first half of a group write-back (group commit) of files of at most ``limit``
+    bytes, all in directory ``parent``: each is created under its temporary name
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``: EEXIST or ELOOP when the name was planted), copied,
+    given its attributes and fsynced (:func:`_copy_small`). An item that failed has its
+    exception as outcome. Raises OSError only if nothing was created (the directory is gone).
+    Returns the directory's times as :func:`_create_tmp` does."""
+    before = tree.dir_times(parent)
+    for it in items:
+        try:
+            fd = tree.open(it.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            it.outcome = e
+            continue
+        it.tmp_left = True
+        try:
+            it.copied = _copy_small(fd, it.src_fd, it.size, limit)  # (closes fd)
+        except Exception as e:  # noqa: BLE001 - this item's outcome
+            it.outcome = e
+            continue
+        it.made = True
+    return before, tree.dir_times(parent)[1]
+
+
+def _group_commit(tree: BackingTree, parent: bytes, items: list[GroupItem], dir_times: DirTimes) -> None:
+    """The second half (its commit locks held by the caller): each item made and still
+    current is renamed into place and every other temporary file removed; the directory gets
+    its times back (as :func:`_commit`) and is fsynced once; only then are the renames
+    durable, and each committed item's outcome is its final file's lstat (a stale item keeps
+    None, a failed one its exception)."""
+    before, after_create = dir_times
+    committed = []
+    try:
+        now = tree.dir_times(parent)
+        for it in items:
+            if not it.made or not it.current():
+                continue
+            try:
+                tree.rename(it.tmp, it.final)
+            except OSError as e:
+                it.outcome = e
+                continue
+            it.tmp_left = False
+            committed.append(it)
+        for it in items:
+            if it.tmp_left:
+                try:
+                    tree.unlink(it.tmp)
+                    it.tmp_left = False
+                except FileNotFoundError:
+                    pass  # moved with its directory: the caller removes it by its new name
+        tree.utime(parent, before if now[1] == after_create else now)
+        tree.fsync_dir(parent)
+        for it in committed:
+            it.outcome = tree.lstat(it.final)
+    except OSError as e:
+        for it in items:
+            if it.made and not isinstance(it.outcome, os.stat_result):
+                it.outcome = e  # renamed perhaps, not known durable: written back again
 
 
 def _fsync_lstat(tree: BackingTree, fd: int, path: bytes) -> os.stat_result:

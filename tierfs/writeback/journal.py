@@ -198,6 +198,23 @@ class Journal:
         self._exec("UPDATE dirty SET tmp=?, state=?, through=?, prev=? WHERE id=?",
                    (tmp, state.value, int(state in (JState.THROUGH, JState.COMMIT)), prev, id))
 
+    def set_tmps(self, items: list[tuple[int, bytes | None]], state: JState = JState.DIRTY) -> None:
+        """:meth:`set_tmp` of several rows, ``(id, tmp)`` each, in one transaction (a group
+        of small files written back together: one commit, not one per file)."""
+        through = int(state in (JState.THROUGH, JState.COMMIT))
+        with self._lock:
+            try:
+                self._db.execute("BEGIN")
+                try:
+                    self._db.executemany("UPDATE dirty SET tmp=?, state=?, through=?, prev=NULL WHERE id=?",
+                                         [(tmp, state.value, through, id_) for id_, tmp in items])
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise _os_error(e) from None
+
     def set_in_place(self, id: int) -> None:
         self._exec("UPDATE dirty SET in_place=1 WHERE id=?", (id,))
 

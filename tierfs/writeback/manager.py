@@ -59,10 +59,11 @@ from tierfs import logevents, private
 from tierfs.backing_tree import BackingTree
 from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.tier import Tier, blocks
-from tierfs.errors import BackingIOError, DirtyLimit
+from tierfs.errors import BackingIOError, DirtyLimit, NotDurableYet
 from tierfs.io import Device, copy_range, pread_exact, pwrite_all
 from tierfs.sched.scheduler import Klass, TransactionScheduler
 from tierfs.units import format_size
+from tierfs.writeback import hold
 from tierfs.writeback.backing_ops import (  # noqa: F401 - re-exported (tests patch by identity)
     DirTimes,
     _allocated,
@@ -208,13 +209,18 @@ def _pins_df(fn):  # type: ignore[no-untyped-def]
         try:
             return await fn(self, df, *args, **kwargs)
         finally:
-            df.pins -= 1
-            if df.pins == 0:
-                _close_retired(df)
-                if df.close_pending:
-                    _close_released(df, self._remove_data)
+            _unpin(self, df)
 
     return wrapper
+
+
+def _unpin(wb: WriteBack, df: DirtyFile) -> None:
+    """Undo one ``df.pins += 1`` (see :func:`_pins_df`)."""
+    df.pins -= 1
+    if df.pins == 0:
+        _close_retired(df)
+        if df.close_pending:
+            _close_released(df, wb._remove_data)
 
 
 def _drain(receive: trio.MemoryReceiveChannel[str | int]) -> list[str | int]:
@@ -307,6 +313,9 @@ class WriteBackStats:
     # clean files still open made dirty again in their own data file (its readers read it)
     redirtied: int = 0
     leased_files: int = 0  # dirty files with a lease now
+    # a burst of writes holds write-back until it ends (tierfs.writeback.hold)
+    holding: bool = False  # now
+    hold_seconds: float = 0.0  # in all
 
 
 QUARANTINE_LISTED = 20  # paths listed in the statistics (the journal keeps every row)
@@ -368,7 +377,9 @@ class WriteBack:
         write tier's device. scheduler: for every backing transfer. make_room: evicts clean
         chunks from the write tier: ``await make_room(tier_index, n)``. deadline_s: seconds
         from close to the write-back deadline. attr_device: for attribute and xattr calls on
-        data files and their creation (default: ``device``, threads). on_clean: called with the file and the backing
+        data files and their creation (default: ``device``, threads). hold_s: the longest a burst
+        of writes holds a closed file's write-back, in seconds (0: never held;
+        :mod:`tierfs.writeback.hold`). on_clean: called with the file and the backing
         ``stat`` of its final path once it is written back.
 
     Raises:
@@ -379,7 +390,7 @@ class WriteBack:
                  scheduler: TransactionScheduler, journal: Journal, data_device: Device | None = None,
                  make_room: Callable[[int, int], object], deadline_s: float,
                  slice_size: int, fsync_backing: bool = False, tree: BackingTree | None = None,
-                 attr_device: Device | None = None,
+                 attr_device: Device | None = None, hold_s: float = 0.0,
                  on_clean: Callable[[DirtyFile, os.stat_result | None], None] | None = None) -> None:
         self.root = backing_root
         self._own_tree = tree is None
@@ -417,7 +428,13 @@ class WriteBack:
         self._user_files: Counter[int] = Counter()  # dirty files per owner (register/_unregister)
         self.by_path: dict[bytes, DirtyFile] = {}
         self._writing_in: dict[bytes, list[trio.Event]] = {}  # dir -> write-backs with a temp file there
-        self._wake = trio.Event()
+        self._wake = trio.Event()  # a file may be ready (a close, a flush)
+        # someone waits for a file (flush, overrun): ends a hold (tierfs.writeback.hold)
+        self._urgent = trio.Event()
+        self.hold_s = hold_s
+        self.burst = hold.BurstMeter()
+        self.holding = False  # the worker waits for a burst of writes to end
+        self.hold_seconds = 0.0  # time the worker spent holding, in all
         self.written_files = 0
         self.written_bytes = 0
         self.writeback_seconds = 0.0
@@ -611,6 +628,8 @@ class WriteBack:
             return False
         self.tier.dirty += need
         df.accounted += need
+        if self.holding and self.tier.dirty > hold.HOLD_DIRTY_FRACTION * self.tier.effective_capacity:
+            self._urgent.set()  # the tier fills up: the burst's files go back now
         return True
 
     def _check_backing_room(self, need: int) -> None:
@@ -889,9 +908,13 @@ class WriteBack:
             except (OSError, BackingIOError) as e:
                 if e.errno not in (errno.EEXIST, errno.ELOOP):
                     raise
-                log.warning("write-back: temporary name %s was taken (planted?); drawing another",
-                            os.fsdecode(tmp))
+                self.log_taken_tmp(tmp)
         raise OSError(errno.EEXIST, "no free temporary name", os.fsdecode(df.path or b"?"))
+
+    @staticmethod
+    def log_taken_tmp(tmp: bytes) -> None:
+        log.warning("write-back: temporary name %s was taken (planted?); drawing another",
+                    os.fsdecode(tmp))
 
     # -- namespace -------------------------------------------------------------------------
     def set_in_place(self, df: DirtyFile, st: os.stat_result | None = None) -> None:
@@ -1020,7 +1043,9 @@ class WriteBack:
         if writer:
             df.writers -= 1
             if df.writers == 0 and df.path is not None:
-                df.deadline = df.due = trio.current_time() + self.deadline_s
+                now = trio.current_time()
+                df.deadline = df.due = now + self.deadline_s
+                self.burst.closed(now)
                 self._wake.set()
         if df.handles == 0 and df.path is None and df.keep == 0:
             await self._discard(df)
@@ -1261,7 +1286,9 @@ class WriteBack:
         if fresh:
             self._journal(self.journal.set_path, df.id, path)  # complete: a dirty file from now on
         if df.writers == 0:
-            df.deadline = df.due = trio.current_time() + self.deadline_s
+            now = trio.current_time()
+            df.deadline = df.due = now + self.deadline_s
+            self.burst.closed(now)
             self._wake.set()
         self.in_place_takes += 1
         return df
@@ -1277,11 +1304,25 @@ class WriteBack:
         self.tier.full_events += 1
         df.deadline = min(df.deadline, trio.current_time())
         self._wake.set()
+        self._urgent.set()
         logevents.event(log, logging.WARNING, "write-tier-overrun",
                         "write tier %s over its capacity by %s: %s is written by the kernel "
                         "directly (passthrough) and cannot switch to write-through; written back "
                         "as soon as it is closed", self.tier.name,
                         format_size(max(0, -self.tier.room())), logevents.user_text(_name(df)))
+
+    # -- holding for a burst ---------------------------------------------------------------
+    def hold_until(self, df: DirtyFile) -> float | None:
+        """When the worker should look again instead of writing ``df`` back now (a burst of
+        writes is going on: :mod:`tierfs.writeback.hold`), or None to write it back now."""
+        if self.hold_s <= 0:
+            return None
+        now = trio.current_time()
+        return hold.hold_until(
+            now=now, burst_end=self.burst.ends_at(now), closed_at=df.due - self.deadline_s,
+            # (never more than half the deadline: writeback_deadline=0 means at once)
+            hold_s=min(self.hold_s, self.deadline_s / 2), urgent=bool(df.waiters) or df.deadline < df.due,
+            dirty_bytes=self.tier.dirty, tier_capacity=self.tier.effective_capacity)
 
     # -- durability ------------------------------------------------------------------------
     def _notify(self, df: DirtyFile, gen: float) -> None:
@@ -1297,7 +1338,8 @@ class WriteBack:
     async def wait_durable(self, files: list[DirtyFile] | None, timeout: float) -> list[str]:  # noqa: ASYNC109
         """Wait until the given (or all) dirty files, as they are now, are on the backing
         store. Files still open for writing are written back now. Returns the paths waited
-        for; raises TimeoutError, or BackingIOError if a write-back failed."""
+        for; raises NotDurableYet (a TimeoutError, naming the files that did get there), or
+        BackingIOError if a write-back failed."""
         todo = list(self.files.values()) if files is None else files
         events = []
         waited = []
@@ -1314,14 +1356,15 @@ class WriteBack:
             events.append(ev)
             waited.append(os.fsdecode(df.path))
         self._wake.set()
+        self._urgent.set()
         # not trio.fail_after: its TooSlowError is no TimeoutError, and the control command
         # (which answers "timed_out" and lets the client ask again) catches TimeoutError
         with trio.move_on_after(timeout) as scope:
             for ev in events:
                 await ev.wait()
         if scope.cancelled_caught:
-            raise TimeoutError(f"{sum(not ev.is_set() for ev in events)} of {len(events)} file(s) "
-                               f"not yet durable after {timeout:g} s")
+            raise NotDurableYet(sum(not ev.is_set() for ev in events), len(events), timeout,
+                                [p for p, ev in zip(waited, events, strict=True) if ev.is_set()])
         failed = [os.fsdecode(df.path) for df in todo if df.error and df.path is not None and df.durable_gen < df.gen]
         if failed:
             raise BackingIOError(", ".join(failed), OSError(errno.EIO, "write-back failed"))
@@ -1540,4 +1583,5 @@ class WriteBack:
             in_place_opens=self.in_place_opens, in_place_takes=self.in_place_takes,
             redirtied=self.redirtied,
             leased_files=sum(df.leases > 0 for df in self.files.values()),
+            holding=self.holding, hold_seconds=self.hold_seconds,
         )

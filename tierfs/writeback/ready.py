@@ -126,6 +126,19 @@ class ReadyIndex:
         return None
 
 
+    def first_n(self, now: float, n: int) -> list[DirtyFile]:
+        """The ``n`` (or fewer) ready files :meth:`first` would return one after another if
+        each were taken in turn, without taking them. O(n log n)."""
+        taken: list[_Entry] = []
+        try:
+            while len(taken) < n and self.first(now) is not None:
+                taken.append(heapq.heappop(self._heap))  # the entry first() found valid
+        finally:
+            for e in taken:
+                heapq.heappush(self._heap, e)
+        return [e[3] for e in taken]
+
+
 class DirtyTable(dict[int, "DirtyFile"]):
     """Dirty files by id, in registration order, with their :class:`ReadyIndex` (``ready``).
     Only item assignment, ``del``, ``pop`` and ``clear`` change it (the other mutating dict

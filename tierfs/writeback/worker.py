@@ -30,6 +30,7 @@ from tierfs.writeback.backing_ops import (
     _parent,
     _size_tmp,
 )
+from tierfs.writeback.group import gather, write_back_group
 from tierfs.writeback.journal import JState
 from tierfs.writeback.manager import RETRY_S, DirtyFile, DirtyState, _Abort, _pins_df
 
@@ -46,7 +47,8 @@ def next_job(wb: WriteBack) -> DirtyFile | None:
 
 async def run(wb: WriteBack, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
     """Write back forever, one file at a time; sleeps until woken (a close, a flush) or
-    RETRY_S."""
+    RETRY_S, and while a burst of writes holds the write-back (:mod:`tierfs.writeback.hold`)
+    until it ends or someone waits for a file."""
     task_status.started()
     while True:
         df = next_job(wb)
@@ -55,8 +57,26 @@ async def run(wb: WriteBack, task_status=trio.TASK_STATUS_IGNORED) -> None:  # t
             with trio.move_on_after(RETRY_S):
                 await wb._wake.wait()
             continue
+        again = wb.hold_until(df)
+        if again is not None:
+            # a burst of writes is going on: its files are written back after it (or when
+            # someone waits for one, or they have waited hold_s), not beside it
+            t0 = trio.current_time()
+            wb.holding = True
+            wb._urgent = trio.Event()
+            try:
+                with trio.move_on_at(again):
+                    await wb._urgent.wait()
+            finally:
+                wb.holding = False
+                wb.hold_seconds += trio.current_time() - t0
+            continue
+        group = gather(wb, df)
         try:
-            await write_back(wb, df)
+            if len(group) > 1:
+                await write_back_group(wb, group)  # small files of one directory, together
+            else:
+                await write_back(wb, df)
         except OSError as e:
             # a journal write failed (the write tier's filesystem is full): the file stays
             # dirty as it was and is retried; the daemon goes on
