@@ -13,9 +13,10 @@ import pytest
 from tests.conftest import needs_fuse, tierfs_cmd
 from tests.test_writeback_inprocess import (
     Disks,
-    SpyJournal,
     backing_bytes,
     copy_up,
+    count_transactions,
+    counting_journal,
     instance,
     write_file,
 )
@@ -83,14 +84,8 @@ async def test_journal_commits_per_small_file(tmp_path: Path) -> None:
     path, its temporary file's name (before the file exists), and the row's removal once
     clean (the temporary name was forgotten in a commit of its own before the removal)."""
     writes: list[str] = []
-
-    class Counting(SpyJournal):
-        def hook(self, where: str) -> None:  # type: ignore[override]
-            if where.startswith("after:"):
-                writes.append(where[6:])
-
     disks = Disks(tmp_path / "d")
-    async with instance(disks, journal_cls=Counting) as wb:
+    async with instance(disks, journal_cls=counting_journal(writes)) as wb:
         del writes[:]
         for i in range(10):  # one at a time (files due together are written back in groups)
             await write_file(wb, b"f%d" % i, b"small %d" % i)
@@ -105,20 +100,12 @@ async def test_a_small_files_write_back_is_three_backing_transactions(tmp_path: 
     place; sizing, copying and finishing were three. Content, mode and times arrive."""
     disks = Disks(tmp_path / "d")
     async with instance(disks, slice_size=64 * 1024) as wb:
-        calls = 0
-        run_io = wb.sched._run_io
-
-        async def counted(fn):  # type: ignore[no-untyped-def]
-            nonlocal calls
-            calls += 1
-            return await run_io(fn)  # type: ignore[misc]
-
-        wb.sched._run_io = counted
+        calls = count_transactions(wb)
         sizes = [0, 1, 4096, 5000, 64 * 1024]
         for i, n in enumerate(sizes):  # one at a time (not a group: tests/test_writeback_group.py)
             await write_file(wb, b"f%d" % i, os.urandom(n) if n else b"")
             await wb.wait_durable(None, timeout=30)
-    assert calls == 3 * len(sizes)
+    assert calls[0] == 3 * len(sizes)
     for i, n in enumerate(sizes):
         data = backing_bytes(disks, f"f{i}")
         assert data is not None and len(data) == n

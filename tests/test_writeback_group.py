@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.test_writeback_inprocess import Disks, backing_bytes, close_together, instance, tmp_names
+from tests.test_writeback_inprocess import (
+    Disks,
+    backing_bytes,
+    close_together,
+    count_transactions,
+    counting_journal,
+    instance,
+    open_write,
+    tmp_names,
+)
 from tierfs.writeback import backing_ops, group
 
 KiB = 1024
@@ -132,16 +141,6 @@ async def test_a_planted_temporary_name_in_a_group_is_skipped(
     assert len(groups[0]) > 1
 
 
-async def _open_write(wb, files: dict[bytes, bytes]) -> list:  # type: ignore[no-untyped-def,type-arg]
-    dfs = []
-    for path, data in files.items():
-        df = await wb.create(path, 0o100644, os.getuid(), os.getgid())
-        wb.opened(df, True)
-        await wb.write(df, 0, data)
-        dfs.append(df)
-    return dfs
-
-
 async def test_writes_the_kernel_made_behind_the_daemon_are_in_the_group_copy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: list[list[backing_ops.GroupItem]]) -> None:
     """Files written through passthrough (the kernel writes their data files; the daemon sees
@@ -164,7 +163,7 @@ async def test_writes_the_kernel_made_behind_the_daemon_are_in_the_group_copy(
     monkeypatch.setattr(backing_ops, "_copy_small", copy)
     disks = Disks(tmp_path / "d")
     async with instance(disks, deadline_s=3600) as wb:
-        dfs = await _open_write(wb, files)
+        dfs = await open_write(wb, files)
         for df in dfs[1:3]:  # as WriteBack.lease_data records a writable lease
             df.pt_written = True
             df.pt_seen = wbm._fingerprint(os.fstat(df.fd))
@@ -220,32 +219,17 @@ async def test_what_a_group_costs(tmp_path: Path) -> None:
     then rename all and fsync the directory once) and one journal commit for all their
     temporary names, where one at a time took 3 transactions and 2 such commits per file
     (tests/test_smallwrites.py)."""
-    from tests.test_writeback_inprocess import SpyJournal
-
     writes: list[str] = []
-
-    class Counting(SpyJournal):
-        def hook(self, where: str) -> None:  # type: ignore[override]
-            if where.startswith("after:"):
-                writes.append(where[6:])
-
     disks = Disks(tmp_path / "d")
     files = {b"f%02d" % i: b"%d" % i * 100 for i in range(group.GROUP_FILES)}
-    async with instance(disks, deadline_s=3600, slice_size=1 << 20, journal_cls=Counting) as wb:
-        calls = 0
-        run_io = wb.sched._run_io
-
-        async def counted(fn):  # type: ignore[no-untyped-def]
-            nonlocal calls
-            calls += 1
-            return await run_io(fn)  # type: ignore[misc]
-
-        wb.sched._run_io = counted
+    async with instance(disks, deadline_s=3600, slice_size=1 << 20,
+                        journal_cls=counting_journal(writes)) as wb:
+        calls = count_transactions(wb)
         await close_together(wb, files)
         del writes[:]
         await wb.wait_durable(None, timeout=30)
     for path, data in files.items():
         assert backing_bytes(disks, path.decode()) == data
-    assert calls == 2
+    assert calls[0] == 2
     assert writes.count("set_tmps") == 1 and "set_tmp" not in writes
     assert writes.count("remove") == group.GROUP_FILES

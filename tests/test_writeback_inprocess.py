@@ -138,15 +138,45 @@ async def write_file(wb: WriteBack, path: bytes, data: bytes, *, chunk: int = 8 
     await wb.closed(df, True)
 
 
-async def close_together(wb: WriteBack, files: dict[bytes, bytes]) -> None:
-    """Create and write every file, then close them all with no checkpoint in between: the
-    write-back worker finds them ready at once (a group)."""
+async def open_write(wb: WriteBack, files: dict[bytes, bytes]) -> list[wbm.DirtyFile]:
+    """Create every file and write it, leaving it open for writing."""
     dfs = []
     for path, data in files.items():
         df = await wb.create(path, 0o100644, os.getuid(), os.getgid())
         wb.opened(df, True)
         await wb.write(df, 0, data)
         dfs.append(df)
+    return dfs
+
+
+def count_transactions(wb: WriteBack) -> list[int]:
+    """From now on, ``[n]``: the backing-store transactions ``wb``'s scheduler ran."""
+    calls = [0]
+    run_io = wb.sched._run_io
+
+    async def counted(fn):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return await run_io(fn)  # type: ignore[misc]
+
+    wb.sched._run_io = counted
+    return calls
+
+
+def counting_journal(writes: list[str]) -> type[Journal]:
+    """A journal class that appends the name of every write it makes to ``writes``."""
+
+    class Counting(SpyJournal):
+        def hook(self, where: str) -> None:  # type: ignore[override]
+            if where.startswith("after:"):
+                writes.append(where[6:])
+
+    return Counting
+
+
+async def close_together(wb: WriteBack, files: dict[bytes, bytes]) -> None:
+    """Create and write every file, then close them all with no checkpoint in between: the
+    write-back worker finds them ready at once (a group)."""
+    dfs = await open_write(wb, files)
     for df in dfs:
         await wb.closed(df, True)  # (a writer's close reaches no checkpoint: nothing runs between)
 

@@ -141,8 +141,7 @@ async def _write_back_group_pinned(wb: WriteBack, group: list[DirtyFile],
     paths = [df.path for df in group]
     seens = [df.pt_seen if df.pt_written else None for df in group]
     items: list[GroupItem] = []
-    settled = trio.Event()
-    wb._writing_in.setdefault(parent, []).append(settled)
+    settled = wb.writing_in(parent)
     t0 = time.monotonic()
     done: list[tuple[DirtyFile, int, os.stat_result, int]] = []
     locked: list[DirtyFile] = []
@@ -181,12 +180,7 @@ async def _write_back_group_pinned(wb: WriteBack, group: list[DirtyFile],
         with trio.CancelScope(shield=True):
             await _settle(wb, group, items, gens, paths, done, finished)
         wb.writeback_seconds += time.monotonic() - t0
-        waiting = wb._writing_in.get(parent, [])
-        if settled in waiting:
-            waiting.remove(settled)
-        if not waiting:
-            wb._writing_in.pop(parent, None)
-        settled.set()
+        wb.done_writing_in(parent, settled)
         for df in locked:
             df.commit_lock.release()
         for df in group:

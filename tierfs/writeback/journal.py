@@ -31,6 +31,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 SCHEMA = 2
@@ -176,15 +177,21 @@ class Journal:
         def moved(p: bytes | None) -> bytes | None:
             return new + p[len(old):] if p is not None and p.startswith(old + b"/") else p
 
+        def move(db: sqlite3.Connection) -> None:
+            for id_, p, t, pv in db.execute("SELECT id, path, tmp, prev FROM dirty").fetchall():
+                if (moved(p), moved(t), moved(pv)) != (p, t, pv):
+                    db.execute("UPDATE dirty SET path=?, tmp=?, prev=? WHERE id=?",
+                               (moved(p), moved(t), moved(pv), id_))
+
+        self._transaction(move)
+
+    def _transaction(self, fn: Callable[[sqlite3.Connection], object]) -> None:
+        """``fn(db)`` in one transaction (one commit), rolled back if it raises."""
         with self._lock:
             try:
-                rows = self._db.execute("SELECT id, path, tmp, prev FROM dirty").fetchall()
                 self._db.execute("BEGIN")
                 try:
-                    for id_, p, t, pv in rows:
-                        if (moved(p), moved(t), moved(pv)) != (p, t, pv):
-                            self._db.execute("UPDATE dirty SET path=?, tmp=?, prev=? WHERE id=?",
-                                             (moved(p), moved(t), moved(pv), id_))
+                    fn(self._db)
                     self._db.execute("COMMIT")
                 except BaseException:
                     self._db.execute("ROLLBACK")
@@ -202,18 +209,9 @@ class Journal:
         """:meth:`set_tmp` of several rows, ``(id, tmp)`` each, in one transaction (a group
         of small files written back together: one commit, not one per file)."""
         through = int(state in (JState.THROUGH, JState.COMMIT))
-        with self._lock:
-            try:
-                self._db.execute("BEGIN")
-                try:
-                    self._db.executemany("UPDATE dirty SET tmp=?, state=?, through=?, prev=NULL WHERE id=?",
-                                         [(tmp, state.value, through, id_) for id_, tmp in items])
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as e:
-                raise _os_error(e) from None
+        self._transaction(lambda db: db.executemany(
+            "UPDATE dirty SET tmp=?, state=?, through=?, prev=NULL WHERE id=?",
+            [(tmp, state.value, through, id_) for id_, tmp in items]))
 
     def set_in_place(self, id: int) -> None:
         self._exec("UPDATE dirty SET in_place=1 WHERE id=?", (id,))

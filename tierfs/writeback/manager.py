@@ -471,6 +471,21 @@ class WriteBack:
                 out.append((p[len(prefix):], df))
         return out
 
+    def writing_in(self, dir_path: bytes) -> trio.Event:
+        """Register a write-back that will have a temporary file in ``dir_path``; the event
+        it returns goes to :meth:`done_writing_in` once that file is renamed or removed."""
+        ev = trio.Event()
+        self._writing_in.setdefault(dir_path, []).append(ev)
+        return ev
+
+    def done_writing_in(self, dir_path: bytes, ev: trio.Event) -> None:
+        waiting = self._writing_in.get(dir_path, [])
+        if ev in waiting:
+            waiting.remove(ev)
+        if not waiting:
+            self._writing_in.pop(dir_path, None)
+        ev.set()
+
     async def settle_dir(self, dir_path: bytes) -> None:
         """Wait until no write-back has a temporary file in ``dir_path`` (rmdir of a directory
         whose last file was unlinked while being written back: that write-back stops at its

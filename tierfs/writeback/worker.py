@@ -131,8 +131,7 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
         else:
             assert df.path is not None
             tmp_dir = _parent(df.path)
-            settled = trio.Event()
-            wb._writing_in.setdefault(tmp_dir, []).append(settled)
+            settled = wb.writing_in(tmp_dir)
             out, dir_times = await wb.create_tmp(df, JState.DIRTY, os.O_WRONLY, Klass.DEADLINE,
                                                  deadline=df.deadline)
             # (``df.tmp`` from here on: a rename of its directory moves it, and rename_dir
@@ -185,12 +184,7 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
             with contextlib.suppress(OSError):  # the name is gone now; a stale one is harmless
                 wb.journal.set_tmp(df.id, None, JState.DIRTY)
         if settled is not None:
-            waiting = wb._writing_in.get(tmp_dir, [])
-            if settled in waiting:
-                waiting.remove(settled)
-            if not waiting:
-                wb._writing_in.pop(tmp_dir, None)
-            settled.set()
+            wb.done_writing_in(tmp_dir, settled)
     if st is not None:
         if df.pt_written:
             wb._absorb(df)  # in place: written behind us meanwhile -> not clean, copied again
