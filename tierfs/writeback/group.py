@@ -66,11 +66,6 @@ def eligible(wb: WriteBack, df: DirtyFile) -> bool:
             and not df.commit_lock.locked())
 
 
-def _urgent(df: DirtyFile) -> bool:
-    """Someone waits for it (a flush, an fsync that waits for the backing store)."""
-    return bool(df.waiters) or df.deadline < df.due
-
-
 def gather(wb: WriteBack, df: DirtyFile) -> list[DirtyFile]:
     """``df`` (the file due first) and the files due right after it that can join it in a
     group: eligible, in its directory, together at most one slice of data, and waited for if
@@ -78,7 +73,7 @@ def gather(wb: WriteBack, df: DirtyFile) -> list[DirtyFile]:
     hold end for files nobody asked for)."""
     if not eligible(wb, df):
         return [df]
-    urgent = _urgent(df)
+    urgent = df.waited_for
     assert df.path is not None
     parent = _parent(df.path)
     group = [df]
@@ -87,7 +82,7 @@ def gather(wb: WriteBack, df: DirtyFile) -> list[DirtyFile]:
         if len(group) >= GROUP_FILES:
             break
         if (other is df or not eligible(wb, other) or _parent(other.path or b"") != parent
-                or urgent and not _urgent(other)):
+                or urgent and not other.waited_for):
             continue
         n = max(_allocated(other.fd, other.size), 1)  # (fstat of an open descriptor: no I/O)
         if total + n > wb.slice_size:

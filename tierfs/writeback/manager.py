@@ -192,6 +192,12 @@ class DirtyFile:
         check_move(self.state, new)
         self.state = new
 
+    @property
+    def waited_for(self) -> bool:
+        """Someone waits for it to reach the backing store (a flush, an fsync that waits for the
+        backing store, ``wait_durable``, a write-tier overrun: each moves its deadline forward)."""
+        return bool(self.waiters) or self.deadline < self.due
+
     def touch(self) -> None:
         self.gen += 1
         if self.state is DirtyState.CLEAN:
@@ -1336,7 +1342,7 @@ class WriteBack:
         return hold.hold_until(
             now=now, burst_end=self.burst.ends_at(now), closed_at=df.due - self.deadline_s,
             # (never more than half the deadline: writeback_deadline=0 means at once)
-            hold_s=min(self.hold_s, self.deadline_s / 2), urgent=bool(df.waiters) or df.deadline < df.due,
+            hold_s=min(self.hold_s, self.deadline_s / 2), urgent=df.waited_for,
             dirty_bytes=self.tier.dirty, tier_capacity=self.tier.effective_capacity)
 
     # -- durability ------------------------------------------------------------------------
