@@ -74,6 +74,35 @@ def test_fstat_after_unlink_of_file_opened_dirty_then_written_back(tiermount, tm
     assert not (tmp_path / "back" / "f").exists()
 
 
+@needs_fuse
+@pytest.mark.fuse
+def test_a_handle_of_a_renamed_over_file_reads_what_it_opened(tiermount, tmp_path: Path) -> None:
+    """A handle whose inode was renamed over reads the backing file it holds open, also when
+    another open of that inode had meanwhile found a different backing file under the name
+    (that read got ESTALE: the handle looked for the name's current backing file, and a
+    detached inode has none). The second open goes by ``/proc/self/fd`` (no lookup), after the
+    backing file was replaced behind tierfs' back, so it reaches the old inode; through the
+    daemon (no passthrough), which serves the reads."""
+    m = tiermount(ram="16MiB", extra=("-o", "passthrough=off"))
+    back = tmp_path / "back"
+    (back / "ckpt").write_bytes(b"A" * 5000)
+    fd1 = os.open(m.mnt / "ckpt", os.O_RDONLY)
+    try:
+        (back / "ckpt.new").write_bytes(b"B" * 7000)
+        os.replace(back / "ckpt.new", back / "ckpt")  # behind tierfs' back: a new backing inode
+        reopen = f"/proc/self/fd/{fd1}"
+        # the same inode (its first open after the change answers ESTALE, and the kernel,
+        # which cannot look a /proc/self/fd link up again, retries it), opening the new file
+        fd2 = os.open(reopen, os.O_RDONLY)
+        os.close(fd2)
+        (m.mnt / "next").write_bytes(b"C" * 100)
+        os.replace(m.mnt / "next", m.mnt / "ckpt")  # the inode is renamed over: detached
+        assert os.pread(fd1, 10_000, 0) == b"A" * 5000  # used to raise ESTALE
+    finally:
+        os.close(fd1)
+    assert (m.mnt / "ckpt").read_bytes() == b"C" * 100
+
+
 async def test_create_is_not_written_back_before_it_answers(tmp_path: Path) -> None:
     """A file being created is opened for writing before the create's last await: the
     write-back, running meanwhile (here: everything else runs while the directory's times are

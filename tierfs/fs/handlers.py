@@ -544,8 +544,14 @@ class Handlers:
 
     async def _read_file(self, h: FileHandle, entry: InodeEntry | None) -> BackingFile:
         """The backing file a clean read comes from: the handle's, or (opened while dirty, or
-        written back since) the backing file the name has now."""
+        written back since) the backing file the name has now. An inode whose name is gone
+        (unlinked, or renamed over) has no backing file to move to: its handles keep reading
+        the one they hold open, as on a local filesystem. (They got ESTALE when another open
+        had meanwhile found a different backing file under the name, in the moment a rename
+        over it waits for a write-back's commit.)"""
         f = h.file
+        if f is not None and (entry is None or entry.path is None):
+            return f
         if f is None or (entry is not None and entry.last_key not in (None, f.key)):
             if entry is None or entry.path is None:
                 raise FuseError(errno.ESTALE)
