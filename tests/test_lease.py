@@ -229,6 +229,54 @@ async def test_kept_lease_yields_to_eviction_drop_and_evict(tmp_path: Path, auto
     cache.close()
 
 
+async def test_kept_lease_of_a_ram_copy_is_parked_without_a_descriptor(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """A kept lease alone on a RAM-tier file closes its descriptor (Cache.park_kept) and still
+    pins the file; the next open (reuse_kept) opens the same tier file again; a parked lease
+    yields to eviction like any kept lease, and a lease with an open beside it, or in a tier
+    that is not inline, is not parked."""
+    cache, sched, _ = make_cache(tmp_path, ram=4 * CS, ssd=8 * CS, policy="lru")
+    a = bfile(1, CS // 2)
+    others = [bfile(i, CS) for i in range(10, 16)]
+    revoked: list[str] = []
+    box: list = []
+
+    def revoke() -> None:
+        revoked.append(a.key)
+        cache.unkeep(a.key)
+        box.pop().release()
+
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        await read_whole(cache, a)
+        await settle(cache)
+        opened = await cache.lease_resident(a)
+        assert opened is not None and opened.tier == "ram"
+        fd, ino = opened.fd, os.fstat(opened.fd).st_ino
+        box.append(cache.keep_lease(opened.key, revoke))
+        assert not cache.park_kept(opened.key)  # an open shares it: not parked
+        assert not cache.park_kept(("tier", "ssd", a.key))  # not inline: its reopen takes a thread
+        opened.release()
+        assert cache.park_kept(opened.key) and _closed(fd)  # the keeper alone: parked
+        assert cache.is_leased(a.key) and cache.leases.is_parked(opened.key)
+        again = cache.reuse_kept(opened.key, a)  # the next open: the same file, opened again
+        assert again is not None and again.fd >= 0 and os.fstat(again.fd).st_ino == ino
+        assert not cache.leases.is_parked(opened.key)
+        shared = await cache.lease_resident(a)  # a second open shares the reopened descriptor
+        assert shared is not None and shared.fd == again.fd
+        shared.release()
+        again.release()
+        assert cache.park_kept(opened.key)
+        again_fd_closed = _closed(again.fd)
+        for f in others:  # eviction wants it: the parked lease yields
+            await read_whole(cache, f)
+            await settle(cache)
+        assert again_fd_closed and revoked == [a.key] and not cache.is_leased(a.key) and box == []
+        assert cache.reuse_kept(opened.key, a) is None and cache.check() == []
+        n.cancel_scope.cancel()
+    cache.close()
+
+
 async def test_concurrent_leases_share_one_descriptor(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
     cache, sched, _ = make_cache(tmp_path, ram=8 * CS, ssd=0)
     f = bfile(1, 3 * CS)

@@ -469,6 +469,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         # tier copies of small files kept leased after their last close, and opens that reused one
         doc["fuse"]["kept_passthrough"] = len(ops.kept_passthrough)
         doc["fuse"]["kept_passthrough_reuses"] = ops.kept_reuses
+        doc["fuse"]["kept_passthrough_fds"] = ops.kept_fds  # of those, kept with a descriptor open
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None

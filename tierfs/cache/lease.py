@@ -46,6 +46,7 @@ class _Shared:
     refs: int = 0
     ready: trio.Event = field(default_factory=trio.Event)
     on_last: Callable[[], None] | None = None  # called once, after the descriptor is closed
+    parked: bool = False  # held without a descriptor (LeaseTable.park); fd is -1 meanwhile
 
 
 @dataclass(eq=False)
@@ -117,7 +118,7 @@ class LeaseTable:
         runs when this lease is released (after the shared descriptor's bookkeeping)."""
         while True:
             sh = self._entries.get(key)
-            if sh is None:
+            if sh is None or sh.parked:
                 return None
             if sh.fd >= 0:
                 return self._lease(sh, tier, size, writable, on_release)
@@ -130,6 +131,34 @@ class LeaseTable:
         if sh is None or sh.fd < 0:
             return None
         return self._lease(sh, tier, size, writable, on_release)
+
+    def park(self, key: Hashable) -> bool:
+        """Close the descriptor of ``key`` while its one lease left is a keeper's, which holds
+        the file (and what its owner pins with it) but reads nothing through it: a kept lease
+        then costs no descriptor (the kernel keeps its own reference to the file it
+        registered). :meth:`share` and :meth:`share_now` find nothing until :meth:`unpark`
+        gives it a descriptor again; the last release closes none. False (nothing done) if
+        ``key`` is not open or other leases share it."""
+        sh = self._entries.get(key)
+        if sh is None or sh.fd < 0 or sh.refs != 1:
+            return False
+        fd, sh.fd = sh.fd, -1
+        sh.parked = True
+        self._close(fd)
+        return True
+
+    def is_parked(self, key: Hashable) -> bool:
+        sh = self._entries.get(key)
+        return sh is not None and sh.parked
+
+    def unpark(self, key: Hashable, fd: int) -> None:
+        """``fd`` (the same file, opened again) is the descriptor of parked ``key`` now.
+        Raises KeyError if ``key`` is not parked."""
+        sh = self._entries.get(key)
+        if sh is None or not sh.parked:
+            raise KeyError(key)
+        sh.fd = fd
+        sh.parked = False
 
     def begin(self, key: Hashable) -> None:
         """Claim ``key`` while its descriptor is opened (across awaits): :meth:`share` callers

@@ -45,7 +45,9 @@ from tierfs.writeback.manager import DirtyFile, WriteBack
 
 log = logging.getLogger("tierfs.fs")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
-KEPT_PASSTHROUGH_MAX = 16384  # kept passthrough leases of small files (Handlers.kept_passthrough)
+# kept passthrough leases of small files (Handlers.kept_passthrough): each pins a struct file
+# in the kernel (~1 KiB with its registration), so at most ~64 MiB of kernel memory
+KEPT_PASSTHROUGH_MAX = 65536
 FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
 
 
@@ -135,6 +137,7 @@ class _TierPassthrough:
     # a lease kept after the last open closes (Handlers.kept_passthrough), so that the next
     # open of the file costs no tier open, pin or kernel registration
     keeper: Lease | None = None
+    holds_fd: bool = False  # kept with its descriptor open (not parked: not a RAM tier copy)
     # kind "backing": the file to copy into a tier once its last reader closes (the copy then
     # comes from the page cache the readers filled instead of competing with them for the store
     # and the CPU: 8 readers of a 2 GiB file on an emulated parallel store, ...)
@@ -191,9 +194,12 @@ class Handlers:
         # Clean tier copies of small files whose opens all closed, kept leased (and registered
         # with the kernel by the transport) for the next open, least recently closed first
         self.kept_passthrough: collections.OrderedDict[int, _TierPassthrough] = collections.OrderedDict()
-        # each holds a descriptor here and a file reference in the kernel: an eighth of the
-        # descriptor limit (524288 under systemd: 16384), at most 16384
-        self.kept_max = min(KEPT_PASSTHROUGH_MAX, _nofile() // 8)
+        # each holds a file reference in the kernel (its registration); one in the RAM tier
+        # holds no descriptor here (Cache.park_kept), one in another tier holds one: those are
+        # limited to an eighth of the descriptor limit (524288 under systemd: 65536)
+        self.kept_max = KEPT_PASSTHROUGH_MAX
+        self.kept_fds_max = _nofile() // 8
+        self.kept_fds = 0  # kept ones holding a descriptor
         self.kept_reuses = 0
         # set by a transport that registers tier files with the kernel: a tier copy's opens
         # all closed and it is not kept (or no longer): its registration can go
@@ -412,6 +418,9 @@ class Handlers:
         copy too: they read it (the daemon's own copy is truncated as well, by the caller)."""
         tp = self.tier_passthrough.get(inode)
         if tp is None or tp.kind == "backing":  # (the backing file itself: Namespace truncated it)
+            return
+        if tp.handles <= 0:  # kept, and no open reads it: let it go (the file is dirty now)
+            self._drop_kept(inode, tp)
             return
         tp.trust_times = False  # taken in at the next writer's release whatever the times say
         self.ns.written_in_place[inode] = (tp.fd, tp.seen)
@@ -761,6 +770,14 @@ class Handlers:
                 self.cache.fill(f)
         if tp.handles <= 0 and self.tier_passthrough.get(inode) is tp:
             if tp.keeper is not None and inode not in self.ns.written_in_place:
+                if self.cache.park_kept(tp.lkey):
+                    tp.fd = -1  # (until the next open gives it one again)
+                elif self.kept_fds >= self.kept_fds_max:
+                    self._end_passthrough(inode, tp)  # it would hold one descriptor too many
+                    return
+                else:
+                    tp.holds_fd = True
+                    self.kept_fds += 1
                 self.kept_passthrough[inode] = tp
                 self.kept_passthrough.move_to_end(inode)
                 if len(self.kept_passthrough) > self.kept_max:
@@ -771,7 +788,7 @@ class Handlers:
 
     def _end_passthrough(self, inode: int, tp: _TierPassthrough) -> None:
         """No open of ``inode`` passes through to ``tp`` any more, and it is not kept."""
-        self.kept_passthrough.pop(inode, None)
+        self._unkept(inode, tp)
         self._release_keeper(tp)
         if self.tier_passthrough.get(inode) is tp:
             del self.tier_passthrough[inode]
@@ -779,6 +796,12 @@ class Handlers:
             self.ns.backing_in_place.discard(inode)
             if self.on_passthrough_end is not None:
                 self.on_passthrough_end(inode)
+
+    def _unkept(self, inode: int, tp: _TierPassthrough) -> None:
+        """``tp`` leaves :attr:`kept_passthrough` (reused by an open, or let go)."""
+        if self.kept_passthrough.pop(inode, None) is not None and tp.holds_fd:
+            tp.holds_fd = False
+            self.kept_fds -= 1
 
     def _release_keeper(self, tp: _TierPassthrough) -> None:
         keeper, tp.keeper = tp.keeper, None
@@ -809,9 +832,10 @@ class Handlers:
         if lease is None:
             self._drop_kept(h.inode, tp)
             return None
-        self.kept_passthrough.pop(h.inode, None)
+        self._unkept(h.inode, tp)
         self.kept_reuses += 1
         tp.handles = 1
+        tp.fd = lease.fd  # (a parked lease has a descriptor again)
         h.lease = lease
         return lease
 
