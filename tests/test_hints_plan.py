@@ -314,6 +314,42 @@ async def test_a_large_plan_adds_no_objects_for_the_garbage_collector(tmp_path: 
     cache.close()
 
 
+async def test_a_predicted_file_already_in_a_tier_registers_no_need(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
+    """Next-file prediction of a file whose predicted part is already in a tier registers
+    nothing (one lstat): a need and the prefetch rounds it kicked cost the loop a fifth of its
+    time in a pass over resident files. A file not (wholly) there is still predicted, and so
+    is a resident one when its tier is nearly full (the need keeps it from eviction)."""
+    backing = tmp_path / "back"
+    backing.mkdir()
+    (backing / "a").write_bytes(bytes(2 * CS))
+    (backing / "b").write_bytes(bytes(2 * CS))
+    plan, sched, cache, hints = _hint_service(tmp_path, backing, budget=8 * CS, predict_bytes=2 * CS)
+    async with trio.open_nursery() as n:
+        cache.attach(n)
+        await n.start(sched.run)
+        await n.start(hints.run)
+        await hints.handle({"op": "need", "items": [["a", 0, None]], "deadline_s": 30})
+        await hints.handle({"op": "wait", "id": next(iter(plan.needs))})
+        assert all(cache.in_tier(c) for need in plan.needs.values() for c in need.chunks)
+        predicted = {b"x": b"a", b"y": b"b"}
+        hints.predictor.predict = lambda pid, rel, listing: predicted[rel]  # type: ignore[method-assign]
+        labels = lambda: sorted(need.label for need in plan.needs.values())  # noqa: E731
+        before = labels()
+        await hints._predict(7, b"x")  # a: resident
+        assert labels() == before and hints.predictions_resident == 1
+        await hints._predict(7, b"y")  # b: not
+        assert labels() == sorted([*before, "predicted"]) and hints.predictions_resident == 1
+        assert hints.statistics()["next_file_predictions"]["already_resident"] == 1
+        ram = cache.tiers[0]
+        ram.keep_free = ram.effective_capacity  # no room left: eviction is near
+        await hints._predict(8, b"x")  # a, resident: the need keeps it from eviction
+        assert labels() == sorted([*before, "predicted", "predicted"]) and hints.predictions_resident == 1
+        ram.keep_free = 0
+        n.cancel_scope.cancel()
+    hints.close()
+    cache.close()
+
+
 async def test_next_file_events_reach_the_predictor_in_request_order(tmp_path: Path) -> None:
     """Opens and read ends are learned and predicted in the order the requests came, by one
     task: in tasks of their own, a read end answered just before the next open (readahead under
