@@ -314,6 +314,32 @@ async def test_a_large_plan_adds_no_objects_for_the_garbage_collector(tmp_path: 
     cache.close()
 
 
+async def test_read_ends_queue_nothing_while_the_predictor_is_quiet(tmp_path: Path) -> None:
+    """A read end is an event for the predictor only while it may predict: once most recent
+    guesses were wrong (a shuffled epoch) it predicts nothing, and each file's event cost the
+    loop for nothing. Opens are still learned."""
+    backing = tmp_path / "back"
+    backing.mkdir()
+    plan, sched, cache, hints = _hint_service(tmp_path, backing, budget=0, pace=False, predict_bytes=CS)
+    hints._nursery = object()  # type: ignore[assignment]  # events are queued, not drained
+    hints._draining = True
+
+    def queued() -> list[str]:
+        return [fn.__name__ for fn, _, _ in hints._events]
+
+    hints.file_read_end(7, b"d/a")
+    assert queued() == ["_predict"]
+    hints.predictor.outcomes.extend([False] * 8)  # guesses wrong: quiet
+    assert not hints.predictor.confident()
+    hints.file_read_end(7, b"d/b")
+    hints.file_opened(7, b"d/c")
+    assert queued() == ["_predict", "_opened"]
+    hints._events.clear()
+    hints._nursery = None
+    hints.close()
+    cache.close()
+
+
 async def test_a_predicted_file_already_in_a_tier_registers_no_need(tmp_path: Path, autojump_clock) -> None:  # type: ignore[no-untyped-def]
     """Next-file prediction of a file whose predicted part is already in a tier registers
     nothing (one lstat): a need and the prefetch rounds it kicked cost the loop a fifth of its
