@@ -69,6 +69,7 @@ FALLBACK_RATE = 100e6  # bytes/s assumed for projections before any backing read
 RESCAN_S = 2.0  # full rescans of the timeline (evicted planned chunks are fetched again)
 LISTING_TTL_S = 30.0  # directory listings kept for next-file prediction
 MAX_LISTING = 200_000  # larger directories: successor prediction only
+ROOM_FRACTION = 8  # a predicted resident file registers nothing while its tier has 1/8 free
 MAX_EVENTS = 4096  # opens and read ends queued for the next-file predictor (more: dropped)
 BATCH = 64  # paths resolved per call on the metadata device (~0.3 ms when cached)
 INDEX_BATCH = 2048  # chunk occurrences indexed into the plan between two chances to pause (~0.5 ms)
@@ -559,7 +560,11 @@ class HintService:
         nxt = self.predictor.predict(pid, rel, await self._listing(d))
         if nxt is None:
             return
-        if await self.meta.run(self._in_tier_now, nxt):
+        try:
+            st: os.stat_result | None = await self.meta.run(self.tree.lstat, nxt)
+        except OSError:  # gone, or a symlink on the way: the need's own resolution will say
+            st = None
+        if self._in_tier_now(nxt, st):
             # Nothing to fetch, and nothing will be evicted soon: a need would only cost the
             # loop its registration and the prefetch rounds it kicks, 21% of the loop's samples
             # (py-spy) in a pass in name order over 8,000 resident files. (Under eviction
@@ -576,15 +581,11 @@ class HintService:
             return
         self._predicted[(pid, d)] = reply["id"]
 
-    def _in_tier_now(self, rel: bytes) -> bool:
-        """(blocking: one lstat) Whether the part of the current version of backing file
-        ``rel`` that a prediction asks for (``predict_bytes`` from its start) is in tiers with
-        at least 1/ROOM_FRACTION of their capacity free (no eviction soon)."""
-        try:
-            st = self.tree.lstat(rel)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+    def _in_tier_now(self, rel: bytes, st: os.stat_result | None) -> bool:
+        """Whether the part of backing file ``rel`` (as ``st``, its ``lstat`` now) that a
+        prediction asks for (``predict_bytes`` from its start) is in tiers with at least
+        1/ROOM_FRACTION of their capacity free (no eviction soon)."""
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0:
             return False
         key = Identity.of(key_path(self.tree.root, rel), st).key
         entries = self.cache.catalog.entries
@@ -889,9 +890,6 @@ class HintService:
                                              "already_resident": self.predictions_resident},
                    "requests": self.requests, "refused_perm": self.refused_perm})
         return ps
-
-
-ROOM_FRACTION = 8  # a predicted resident file registers nothing while its tier has 1/8 free
 
 
 class _Builder:
