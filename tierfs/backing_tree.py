@@ -106,6 +106,45 @@ def proc_path(fd: int, name: bytes | None = None) -> bytes:
     return base if name is None else base + b"/" + name
 
 
+class _DirFd:
+    """:meth:`BackingTree.dir`: a class, not a ``@contextmanager`` generator. It runs for
+    every metadata call on the backing store (twice for a rename): the generator and the
+    nested one of :meth:`BackingTree.parent` cost ~5 us per call (``timeit``, Python 3.11),
+    about a tenth of an ``unlink``'s own time in the daemon. The root itself is used as is
+    (no ``dup``): it stays open while the tree does."""
+
+    __slots__ = ("fd", "rel", "tree")
+
+    def __init__(self, tree: BackingTree, rel: bytes) -> None:
+        self.tree = tree
+        self.rel = rel
+        self.fd = -1
+
+    def __enter__(self) -> int:
+        if not self.rel:
+            return self.tree.fd
+        self.fd = self.tree.dir_fd(self.rel)
+        return self.fd
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _ParentFd(_DirFd):
+    """:meth:`BackingTree.parent`: ``(parent's descriptor, last component)``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, tree: BackingTree, rel: bytes) -> None:
+        parent, self.name = split(rel)
+        super().__init__(tree, parent)
+
+    def __enter__(self) -> tuple[int, bytes]:  # type: ignore[override]
+        return super().__enter__(), self.name
+
+
 class BackingTree:
     """The backing directory, opened once; see the module docstring.
 
@@ -169,24 +208,16 @@ class BackingTree:
             os.close(fd)
             raise
 
-    @contextmanager
-    def dir(self, rel: bytes) -> Iterator[int]:
+    def dir(self, rel: bytes) -> _DirFd:
         """``with tree.dir(rel) as dfd``: :meth:`dir_fd`, closed afterwards."""
-        fd = self.dir_fd(rel)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
+        return _DirFd(self, rel)
 
-    @contextmanager
-    def parent(self, rel: bytes) -> Iterator[tuple[int, bytes]]:
+    def parent(self, rel: bytes) -> _ParentFd:
         """``with tree.parent(rel) as (dfd, name)``: the parent directory's descriptor and the
         last component, for the ``*at`` calls. ``rel`` must not be the root."""
         if not rel:
             raise OSError(errno.EINVAL, "the backing root has no parent")
-        parent, name = split(rel)
-        with self.dir(parent) as dfd:
-            yield dfd, name
+        return _ParentFd(self, rel)
 
     # -- reading -----------------------------------------------------------------------------
     def lstat(self, rel: bytes) -> os.stat_result:

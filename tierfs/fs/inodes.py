@@ -26,6 +26,7 @@ directory walks the table, for the paths beneath it.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,9 @@ class InodeEntry:
     told: tuple[int, int, int, int, int] | None = None
     reval_sent: bool = False
     kept: bool = False  # its dirty file is kept for it (Namespace.preserve: df.keep counted)
+    # a regular file when first looked up (an object keeps its type for its (dev, ino)): only
+    # those are kept open by Namespace.preserve, which need not lstat the name first
+    regular: bool = True
 
 
 class InodeTable:
@@ -70,7 +74,7 @@ class InodeTable:
         root_stat = tree.lstat(b"")
         self.root_dev = root_stat.st_dev
         self._next = FIRST_DYNAMIC
-        root = InodeEntry(ROOT, b"", (root_stat.st_dev, root_stat.st_ino), lookups=1)
+        root = InodeEntry(ROOT, b"", (root_stat.st_dev, root_stat.st_ino), lookups=1, regular=False)
         self.by_inode: dict[int, InodeEntry] = {ROOT: root}
         self.by_dev_ino: dict[tuple[int, int], InodeEntry] = {root.dev_ino: root}
         # path -> the live entry naming it; a path named by more (a replaced name's old inode
@@ -253,7 +257,7 @@ class InodeTable:
         key = (st.st_dev, st.st_ino)
         entry = self.by_dev_ino.get(key)
         if entry is None:
-            entry = InodeEntry(self.number_for(key), path, key)
+            entry = InodeEntry(self.number_for(key), path, key, regular=stat.S_ISREG(st.st_mode))
             self._add(entry)
         elif entry.path != path and (entry.path is None or not self._exists(entry.path)):
             self._set_path(entry, path)  # renamed behind our back

@@ -670,17 +670,20 @@ class NativeSession:
         return c.entry_out(attrs) + await self._reply_or_release(attrs.st_ino, a["flags"], r, True)
 
     async def _reply_or_release(self, inode: int, flags: int, r: OpenReply, writer: bool) -> bytes:
-        """:meth:`_open_reply`; if it fails the handle is released (the kernel never sees it)."""
-        with trio.CancelScope(shield=True):  # the handle exists: no leak on a cancel either
-            try:
-                return await self._open_reply(inode, flags, r, writer)
-            except BaseException:
+        """:meth:`_open_reply`; if it fails the handle is released (the kernel never sees it).
+
+        Only that release is shielded from a cancel, not the whole reply: an OPEN is never
+        interrupted (:data:`INTERRUPTIBLE`), so a cancel here is the unmount's, and a
+        shielded cancel scope costs ~11 us (``timeit``), 7% of an open of a resident file."""
+        try:
+            return await self._open_reply(inode, flags, r, writer)
+        except BaseException:
+            with trio.CancelScope(shield=True):  # the handle exists: no leak on a cancel either
                 if r.fh in self.h.handles.handles:
                     await self.h.release(r.fh)
                 if self.pt is not None:
                     self.pt.released(r.fh)
-                raise
-        raise AssertionError("unreachable")  # for mypy: a shielded scope does not swallow
+            raise
 
     async def op_release(self, req: c.Request) -> None:
         await self.h.release(req.args["fh"])  # the inode's open modes were counted down at read
