@@ -82,7 +82,9 @@ class ImageFolder:
         from PIL import Image
 
         path, label = self.samples[i]
-        with open(path, "rb") as f:
+        # unbuffered: the whole file in one read, and no isatty() ioctl (a request to a FUSE
+        # daemon per file, which Python's default buffered open() asks; docs/user-guide.md)
+        with open(path, "rb", buffering=0) as f:
             img = Image.open(io.BytesIO(f.read())).convert("L").resize((32, 32))
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
         return x, label

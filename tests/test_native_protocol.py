@@ -278,6 +278,20 @@ def test_malformed_truncated_unknown_and_bugs_keep_the_loop_alive():
     assert (s.malformed, s.unknown, s.unexpected) == (2, 1, 2)
 
 
+def test_ioctls_are_answered_enotty_without_a_handler():
+    # Python's open() asks isatty() of every file it opens (a TCGETS ioctl, 0x5401)
+    async def script(peer, stub):
+        await peer.reply()
+        await peer.send(req(c.IOCTL, struct.pack("<QIIQII", 3, 0, 0x5401, 0, 0, 60), unique=20, nodeid=5))
+        assert await peer.reply() == (20, errno.ENOTTY, b"")
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=21, nodeid=5))
+        assert (await peer.reply())[:2] == (21, 0)
+
+    s, _ = _run(script)
+    assert (s.ioctls, s.unknown, s.unexpected) == (1, 0, 0)
+    assert s.statistics()["ioctls"] == 1
+
+
 def test_interrupt_cancels_and_answers_eintr():
     async def script(peer, stub):
         await peer.reply()

@@ -313,6 +313,7 @@ class NativeSession:
         self.malformed = 0
         self.unexpected = 0  # handler exceptions answered EIO
         self.unknown = 0  # ENOSYS
+        self.ioctls = 0  # answered ENOTTY (tierfs files have no ioctls)
 
     @property
     def passthrough(self) -> bool:
@@ -492,6 +493,14 @@ class NativeSession:
         n[op] = n.get(op, 0) + 1
         if op == c.INTERRUPT:
             self._interrupt(req.args["unique"])
+            return None
+        if op == c.IOCTL:
+            # No file of tierfs has ioctls. The kernel sends every ioctl of a file to the
+            # daemon, and Python's built-in open() (with its default buffering) asks isatty(),
+            # a TCGETS ioctl: one request per file a Dataset opens that way (PIL's loaders do).
+            # Answered here, as the kernel would answer ENOSYS, with no handler task.
+            self.ioctls += 1
+            self._send(c.error_reply(req.unique, errno.ENOTTY))
             return None
         handler = _HANDLERS.get(op)
         if handler is None:
@@ -740,6 +749,7 @@ class NativeSession:
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
             "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
+            "ioctls": self.ioctls,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
