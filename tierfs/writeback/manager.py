@@ -223,12 +223,7 @@ class _Gate:
         self.df = df
 
     async def __aenter__(self) -> None:
-        df = self.df
-        if df.excl is not None:
-            await self.wb._enter(df)
-        else:
-            # (the common case, as _enter without its await: nothing holds the gate alone)
-            df.inflight += 1
+        await self.wb._enter(self.df)
 
     async def __aexit__(self, *exc: object) -> None:
         self.wb._leave(self.df)
