@@ -141,6 +141,26 @@ def test_passthrough_writer_size_visible_to_another_process_and_written_back(nm:
              "write-back of ck.pt")
 
 
+
+def test_passthrough_writes_send_the_daemon_no_request_per_write(nm: Mount) -> None:
+    """Without FUSE_HANDLE_KILLPRIV_V2 the kernel asked the daemon for security.capability
+    before every write(2) of a passthrough file (to drop file capabilities): a round trip per
+    write, which held dd of 64 KiB blocks to 0.5 GB/s on tmpfs. Now it asks once per file."""
+    t = transport_stats(nm)
+    needs_passthrough(nm)
+    assert "handle_killpriv_v2" in t["negotiated"].split()
+    before = t["requests_by_opcode"]
+    n = 500
+    with open(nm.mnt / "many-writes", "wb", buffering=0) as f:
+        for i in range(n):
+            f.write(i.to_bytes(4, "little") * 1024)
+    after = transport_stats(nm)["requests_by_opcode"]
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert grew.get("write", 0) == 0 and grew.get("getxattr", 0) <= 2, grew
+    assert sum(grew.values()) < 20, grew
+    got = (nm.mnt / "many-writes").read_bytes()
+    assert len(got) == n * 4096 and got[-4096:] == (n - 1).to_bytes(4, "little") * 1024
+
 def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     data = write_random(nm.backing / "many", MiB)
     make_resident(nm, "many", len(data))

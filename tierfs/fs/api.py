@@ -106,6 +106,10 @@ class SetAttr:
     gid: int | None = None
     atime_ns: int | None = None
     mtime_ns: int | None = None
+    # After the changes above, drop set-user-ID, and set-group-ID if group-executable, of a
+    # regular file: what the kernel leaves to the daemon for a chown, and for a truncate by a
+    # caller without CAP_FSETID, once FUSE_HANDLE_KILLPRIV_V2 is negotiated
+    kill_suidgid: bool = False
 
 
 # readdir: emit(name, attrs, next_offset) -> False when the reply buffer is full (the entry was

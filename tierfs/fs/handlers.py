@@ -20,6 +20,7 @@ import collections
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -33,7 +34,17 @@ from tierfs.backing_tree import BackingTree
 from tierfs.cache.lease import Lease, LeaseTable
 from tierfs.cache.manager import Cache
 from tierfs.errors import TierfsError
-from tierfs.fs.api import ENOATTR, Attr, DirEmit, FuseError, OpenReply, RequestCtx, SetAttr, StatVfs
+from tierfs.fs.api import (
+    ENOATTR,
+    Attr,
+    Ctx,
+    DirEmit,
+    FuseError,
+    OpenReply,
+    RequestCtx,
+    SetAttr,
+    StatVfs,
+)
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.handles import ControlHandle, DirHandle, FileHandle, HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
@@ -79,6 +90,26 @@ def _nofile() -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 
+
+
+
+def _in_group(ctx: RequestCtx, gid: int) -> bool:
+    """Whether caller ``ctx`` is root or in group ``gid``: its own gid, else its supplementary
+    groups as /proc tells them (the kernel sends only the fsgid; False when it cannot be read:
+    the caller is gone, and a set-group-ID bit is dropped rather than kept wrongly)."""
+    if ctx.uid == 0 or ctx.gid == gid:
+        return True
+    try:
+        with open(f"/proc/{ctx.pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return str(gid).encode() in line.split()[1:]
+    except OSError:
+        pass
+    return False
+
+# set-user-ID and set-group-ID: a write by a caller without CAP_FSETID may drop them
+_SUIDGID = stat.S_ISUID | stat.S_ISGID
 
 class _Op:
     """``with handlers._op(what)``: one request, timed into ``Handlers.request_seconds``, its
@@ -209,6 +240,10 @@ class Handlers:
         self.max_read = 0
         self.writes = 0
         self.write_bytes = 0
+        self.suid_drops = 0  # set-user/group-ID bits dropped for the kernel (_kill_suidgid)
+        # inode -> (size, mtime_ns) at a chmod that set set-user/group-ID while passthrough
+        # writers held it open (setattr, _after_passthrough)
+        self._suid_watch: dict[int, tuple[int, int]] = {}
         self.stale_opens = 0  # opens answered ESTALE: the file changed behind tierfs' back
         self.readdir_held_max = 0  # most entries one open directory's listing held at once
         # requests answered, by handler name (stats "fuse.requests": how many round trips a
@@ -411,7 +446,45 @@ class Handlers:
             if attr.size is not None and inode in self.tier_passthrough:
                 await self._truncate_tier_copy(inode, attr.size)
                 a = self.ns.in_place_attrs(a)
+            if attr.kill_suidgid:
+                a = await self._kill_suidgid(inode, a, ctx)
+            elif attr.mode is not None and a.st_mode & _SUIDGID and self._passthrough_writers(inode):
+                # Writes the kernel passes through never reach the daemon, and with
+                # FUSE_HANDLE_KILLPRIV_V2 the kernel leaves dropping the bits to it: a writer
+                # without CAP_FSETID that writes after this has them dropped at its flush or
+                # close (an exec through the mount meanwhile fails: ETXTBSY, open for writing).
+                self._suid_watch[inode] = (a.st_size, a.st_mtime_ns)
             return a
+
+    def _passthrough_writers(self, inode: int) -> bool:
+        """Whether a handle of ``inode`` writes through a passthrough lease (a scan of the
+        open handles: only for a chmod that sets set-user/group-ID)."""
+        return any(isinstance(h, FileHandle) and h.inode == inode and h.lease is not None
+                   and h.lease.writable for h in self.handles.handles.values())
+
+    async def _kill_suidgid(self, inode: int, a: Attr | None = None, ctx: RequestCtx | None = None) -> Attr:
+        """Drop set-user-ID, and set-group-ID if the file is group-executable (a set-group-ID
+        without it marks mandatory locking), of regular file ``inode`` whose attributes are
+        ``a`` (looked up if None): the kernel's own rule for a write, a truncate or a chown
+        (``setattr_should_drop_suidgid``), which it leaves to the daemon once
+        ``FUSE_HANDLE_KILLPRIV_V2`` is negotiated. The daemon's own writes and truncates do
+        not drop them: it runs with CAP_FSETID. Returns the attributes after.
+
+        A set-group-ID without group execute is dropped too when caller ``ctx`` is neither
+        root nor in the file's group (as the kernel's VFS does since Linux 6.2, stricter than
+        FUSE's own description of the flag)."""
+        if a is None:
+            a = await self.ns.entry_attrs(self.inodes.get(inode))
+        m = a.st_mode
+        if not stat.S_ISREG(m):
+            return a
+        drop = m & stat.S_ISUID
+        if m & stat.S_ISGID and (m & stat.S_IXGRP or (ctx is not None and not _in_group(ctx, a.st_gid))):
+            drop |= stat.S_ISGID
+        if not drop:
+            return a
+        self.suid_drops += 1
+        return await self.ns.setattr(inode, SetAttr(mode=stat.S_IMODE(m) & ~drop))
 
     async def _truncate_tier_copy(self, inode: int, size: int) -> None:
         """A truncate of an inode whose opens pass through to its tier copy reaches that
@@ -427,7 +500,9 @@ class Handlers:
         await self.cache.truncate_leased(tp.lkey, size)
 
     # -- files -----------------------------------------------------------------------------
-    async def open(self, inode: int, flags: int, ctx: RequestCtx) -> OpenReply:
+    async def open(self, inode: int, flags: int, ctx: RequestCtx, kill_suidgid: bool = False) -> OpenReply:
+        """Open ``inode`` with open(2) ``flags``. ``kill_suidgid``: an ``O_TRUNC`` open by a
+        caller without CAP_FSETID, which drops set-user-ID and set-group-ID (:meth:`_kill_suidgid`)."""
         with self._op("open"):
             if inode in self.control.by_inode:
                 return self.control.open(inode, ctx, self.handles)
@@ -435,7 +510,8 @@ class Handlers:
             writer = bool(flags & _WRITE_FLAGS)
             if entry.path is None:
                 return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
-            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid)
+            h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid,
+                           uid=ctx.uid, gid=ctx.gid)
             if not writer and self.on_open_read is not None:
                 self.on_open_read(ctx.pid, entry.path)
             if flags & os.O_TRUNC and inode in self.ns.backing_in_place and entry.dirty is None:
@@ -445,6 +521,8 @@ class Handlers:
                 if made.size:
                     await self.wb.truncate(made, 0)
                 await self._truncate_tier_copy(inode, 0)
+            if flags & os.O_TRUNC and kill_suidgid:
+                await self._kill_suidgid(inode, None, ctx)
             # Opened for writing but not truncated: the file becomes dirty at its first write,
             # not here. sqlite opens every database O_RDWR, fio's verify pass and np.memmap r+
             # too: an eager copy-up copied and wrote back whole files nobody changed.
@@ -528,7 +606,8 @@ class Handlers:
                      ctx: RequestCtx) -> tuple[OpenReply, Attr]:
         with self._op("create"):
             entry, df = await self.ns.create(parent_inode, name, mode, flags, ctx)  # opened for writing
-            h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND))
+            h = FileHandle(entry.inode, dirty=df, writer=True, append=bool(flags & os.O_APPEND),
+                           pid=ctx.pid, uid=ctx.uid, gid=ctx.gid)
             fi = OpenReply(self.handles.add(h), keep_cache=True)
             return fi, await self.ns.dirty_attrs(entry, df)
 
@@ -584,7 +663,10 @@ class Handlers:
                 or (off == 0 and f.size <= self.cache.chunk_size)):  # a one-chunk file: at once
             self.on_read_end(h.pid, entry.path)
 
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    async def write(self, fh: int, off: int, buf: bytes, ctx: RequestCtx | None = None,
+                    kill_suidgid: bool = False) -> int:
+        """Write ``buf`` at byte ``off`` of handle ``fh``; the bytes written. ``kill_suidgid``:
+        writer ``ctx`` lacks CAP_FSETID, so set-user-ID and set-group-ID go (:meth:`_kill_suidgid`)."""
         with self._op("write"):
             h = self.handles.get(fh)
             if isinstance(h, ControlHandle):
@@ -597,7 +679,10 @@ class Handlers:
                 off = df.size
             self.writes += 1
             self.write_bytes += len(buf)
-            return await self.wb.write(df, off, buf)  # type: ignore[no-any-return]
+            n: int = await self.wb.write(df, off, buf)
+            if kill_suidgid:
+                await self._kill_suidgid(h.inode, None, ctx)
+            return n
 
     async def _writable(self, h: FileHandle) -> DirtyFile:
         """The dirty file a write through ``h`` goes to; the first write through a handle makes
@@ -684,6 +769,11 @@ class Handlers:
         if df is not None and df.state.value != "clean":
             if h.dirty is not df:
                 return None  # opened before the file became dirty: the daemon serves it
+            if h.writer and h.uid != 0 and df.fd >= 0 and os.fstat(df.fd).st_mode & _SUIDGID:
+                # a set-user/group-ID file opened for writing by a user: its writes come to
+                # the daemon, which drops the bits (_kill_suidgid); a write the kernel passes
+                # through never reaches it
+                return None
             lease = await self.wb.lease_data(df, h.writer)
         elif written and df is not None and not h.writer and df.fd >= 0:
             lease = await self.wb.lease_data(df, False)
@@ -861,6 +951,13 @@ class Handlers:
                 entry.told = None
         elif h.dirty is not None:
             await self.wb.after_passthrough_write(h.dirty)
+        seen = self._suid_watch.get(h.inode)
+        entry = self.inodes.by_inode.get(h.inode)
+        if seen is not None and h.uid != 0 and entry is not None:
+            a = await self.ns.entry_attrs(entry)
+            if (a.st_size, a.st_mtime_ns) != seen:  # written since the chmod
+                del self._suid_watch[h.inode]
+                await self._kill_suidgid(h.inode, a, Ctx(h.uid, h.gid, h.pid))
 
     async def _take_in_place(self, h: FileHandle) -> None:
         """A writer's passthrough writes went into the tier copy (in place): the file's dirty
@@ -893,6 +990,8 @@ class Handlers:
                         await self._after_passthrough(h)
                     lease, h.lease = h.lease, None
                     lease.release()  # before closed(): write-back may start at once
+                    if h.inode in self._suid_watch and not self._passthrough_writers(h.inode):
+                        del self._suid_watch[h.inode]
                 self.readahead.forget(h.readahead)
                 self.cache.forget_access(h.access)
                 if h.file is not None:

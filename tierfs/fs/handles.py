@@ -29,6 +29,8 @@ class FileHandle:
     access: AccessState = field(default_factory=AccessState)
     readahead: ReadaheadState = field(default_factory=ReadaheadState)
     pid: int = 0  # the opener (readers are told apart for next-file prediction)
+    uid: int = 0  # the opener's ids (set-user/group-ID dropped after its passthrough writes)
+    gid: int = 0
     # a transport handed the file to the kernel (passthrough): reads (and writes) of this handle
     # do not reach the daemon while it is held (tierfs.cache.lease)
     lease: Lease | None = None

@@ -50,13 +50,18 @@ ASYNC_DIO = 1 << 15
 WRITEBACK_CACHE = 1 << 16
 PARALLEL_DIROPS = 1 << 18
 HANDLE_KILLPRIV = 1 << 19
+# The daemon drops setuid/setgid on write, truncate and chown (what the kernel tells it with
+# the *_KILL_SUIDGID flags below); in exchange the kernel skips its own check before each
+# write (a GETXATTR of security.capability per write(2)) and the GETATTR before a chown.
+HANDLE_KILLPRIV_V2 = 1 << 28
 MAX_PAGES = 1 << 22
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37
 INIT_FLAG_NAMES = {ASYNC_READ: "async_read", ATOMIC_O_TRUNC: "atomic_o_trunc", BIG_WRITES: "big_writes",
                    AUTO_INVAL_DATA: "auto_inval_data", DO_READDIRPLUS: "readdirplus",
                    ASYNC_DIO: "async_dio", PARALLEL_DIROPS: "parallel_dirops",
-                   MAX_PAGES: "max_pages", PASSTHROUGH: "passthrough"}
+                   MAX_PAGES: "max_pages", PASSTHROUGH: "passthrough",
+                   HANDLE_KILLPRIV_V2: "handle_killpriv_v2"}
 
 # -- open reply flags (fuse_open_out.open_flags) ----------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0
@@ -68,6 +73,9 @@ FOPEN_PASSTHROUGH = 1 << 7
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1, 2, 4, 8
 FATTR_ATIME, FATTR_MTIME, FATTR_FH = 16, 32, 64
 FATTR_ATIME_NOW, FATTR_MTIME_NOW = 128, 256
+FATTR_KILL_SUIDGID = 1 << 11  # (HANDLE_KILLPRIV_V2) drop setuid/setgid: a chown, a truncate
+WRITE_KILL_SUIDGID = 1 << 2  # fuse_write_in.write_flags: the writer lacks CAP_FSETID
+OPEN_KILL_SUIDGID = 1 << 0  # fuse_open_in.open_flags: an O_TRUNC open without CAP_FSETID
 
 GETATTR_FH = 1  # fuse_getattr_in.getattr_flags: fh is valid
 FSYNC_FDATASYNC = 1

@@ -345,7 +345,7 @@ class NativeSession:
             raise MountError(f"kernel FUSE protocol {a['major']}.{a['minor']} is not 7.x")
         offered = a["flags"]
         want = (c.ASYNC_READ | c.ATOMIC_O_TRUNC | c.BIG_WRITES | c.AUTO_INVAL_DATA | c.DO_READDIRPLUS
-                | c.ASYNC_DIO | c.PARALLEL_DIROPS | c.MAX_PAGES | c.INIT_EXT)
+                | c.ASYNC_DIO | c.PARALLEL_DIROPS | c.MAX_PAGES | c.INIT_EXT | c.HANDLE_KILLPRIV_V2)
         if self.want_passthrough:
             want |= c.PASSTHROUGH
         granted = want & offered
@@ -670,7 +670,8 @@ class NativeSession:
 
     async def op_open(self, req: c.Request) -> bytes:
         flags = req.args["flags"]
-        r = await self.h.open(req.nodeid, flags, self.ctx(req))
+        r = await self.h.open(req.nodeid, flags, self.ctx(req),
+                              kill_suidgid=bool(req.args["open_flags"] & c.OPEN_KILL_SUIDGID))
         return await self._reply_or_release(req.nodeid, flags, r, bool(flags & _WRITE_FLAGS))
 
     async def op_create(self, req: c.Request) -> bytes:
@@ -703,7 +704,8 @@ class NativeSession:
 
     async def op_write(self, req: c.Request) -> bytes:
         a = req.args
-        n = await self.h.write(a["fh"], a["offset"], bytes(a["data"]))
+        kill = bool(a["write_flags"] & c.WRITE_KILL_SUIDGID)
+        n = await self.h.write(a["fh"], a["offset"], bytes(a["data"]), self.ctx(req) if kill else None, kill)
         return c.write_out(n)
 
     async def op_readdir(self, req: c.Request) -> list[bytes]:
@@ -734,7 +736,8 @@ class NativeSession:
             uid=a["uid"] if v & c.FATTR_UID else None,
             gid=a["gid"] if v & c.FATTR_GID else None,
             atime_ns=(now if v & c.FATTR_ATIME_NOW else a["atime_ns"]) if v & c.FATTR_ATIME else None,
-            mtime_ns=(now if v & c.FATTR_MTIME_NOW else a["mtime_ns"]) if v & c.FATTR_MTIME else None)
+            mtime_ns=(now if v & c.FATTR_MTIME_NOW else a["mtime_ns"]) if v & c.FATTR_MTIME else None,
+            kill_suidgid=bool(v & c.FATTR_KILL_SUIDGID))
         attrs = await self.h.setattr(req.nodeid, sa, a["fh"] if v & c.FATTR_FH else None, self.ctx(req))
         return c.attr_out(attrs)
 

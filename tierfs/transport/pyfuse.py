@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -149,7 +150,10 @@ class Pyfuse3Operations(pyfuse3.Operations):
         return entry_attributes(await _call("setattr", self.h.setattr(inode, set_attr(attr, fields), fh, ctx)))
 
     async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def,override]
-        return file_info(await _call("open", self.h.open(inode, flags, ctx)))
+        # An O_TRUNC open drops set-user/group-ID for a caller without CAP_FSETID (root is taken
+        # for one that has it): the kernel skips that itself when opens truncate (atomic_o_trunc)
+        kill = bool(flags & os.O_TRUNC) and ctx.uid != 0
+        return file_info(await _call("open", self.h.open(inode, flags, ctx, kill_suidgid=kill)))
 
     async def create(self, parent_inode, name, mode, flags, ctx):  # type: ignore[no-untyped-def,override]
         fi, attrs = await _call("create", self.h.create(parent_inode, name, mode, flags, ctx))
