@@ -424,7 +424,7 @@ class HangingFS:
             return Attr(st_ino=1, st_mode=0o40755, st_nlink=2)
         return Attr(st_ino=2, st_mode=0o100644, st_nlink=1, st_size=4096)
 
-    async def open(self, inode, flags, ctx):  # type: ignore[no-untyped-def]
+    async def open(self, inode, flags, ctx, kill_suidgid=False):  # type: ignore[no-untyped-def]
         # direct I/O: a read is then a request the reader waits on (page-cache readahead is
         # asynchronous in the kernel: a signal does not interrupt it)
         return OpenReply(1, direct_io=True)

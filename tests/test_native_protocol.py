@@ -180,7 +180,7 @@ class StubHandlers:
         if any(i == 666 for i, _ in items):
             raise RuntimeError("a bug in forget")
 
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode, flags, ctx, kill_suidgid=False):
         return OpenReply(77)
 
     async def release(self, fh):
