@@ -240,7 +240,6 @@ class Handlers:
         self.max_read = 0
         self.writes = 0
         self.write_bytes = 0
-        self.suid_drops = 0  # set-user/group-ID bits dropped for the kernel (_kill_suidgid)
         # inode -> (size, mtime_ns) at a chmod that set set-user/group-ID while passthrough
         # writers held it open (setattr, _after_passthrough)
         self._suid_watch: dict[int, tuple[int, int]] = {}
@@ -483,7 +482,6 @@ class Handlers:
             drop |= stat.S_ISGID
         if not drop:
             return a
-        self.suid_drops += 1
         return await self.ns.setattr(inode, SetAttr(mode=stat.S_IMODE(m) & ~drop))
 
     async def _truncate_tier_copy(self, inode: int, size: int) -> None:
