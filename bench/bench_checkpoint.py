@@ -142,6 +142,7 @@ def local_part(args, sd: dict, work: Path, res: dict) -> None:
     back, ssd, mnt, direct = p1 / "back", p1 / "ssd", p1 / "mnt", p1 / "direct"
     for d in (back, ssd, direct):
         d.mkdir(parents=True, exist_ok=True)
+    ssd.chmod(0o700)  # tierfs refuses a tier directory other users can reach
     out: dict = {"direct": [], "tierfs": [], "flush_s": [], "writeback": [], "fs": ""}
     try:
         out["fs"] = (
@@ -304,7 +305,7 @@ def hdd_phase(
     ssd = work / f"ssd-{key}"
     if ssd.exists():
         shutil.rmtree(ssd)
-    ssd.mkdir()
+    ssd.mkdir(mode=0o700)
     tmnt = work / "tierfs"
     extra = [
         "--ssd",
