@@ -4,6 +4,7 @@ file in the kernel (tierfs.io.copy_range), real files and real device threads, n
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,35 @@ def test_small_file_read_in_name_order_opens_each_backing_file_once(tiermount, t
     # opens a file while the prefetcher is opening it too still costs two: a few at most
     assert s["backing_opens"] - before <= n + n // 5, s
     assert s["shared_opens"] > 0
+
+
+@pytest.mark.parametrize("profile", ["parallel", "hdd"])
+def test_backing_data_calls_run_inline_only_on_a_local_parallel_store(tiermount, tmp_path: Path, profile: str) -> None:
+    """On a local parallel store the backing device's data calls (small files' copies into a
+    tier, reads into memory) run on the event loop while each is measured cheap (io.Device): a
+    hand-off to a thread cost more than the call. The hdd profile keeps every one in its device
+    thread (one request in flight)."""
+    import json
+
+    from tierfs.sched import profile as backing_profile
+
+    d = tmp_path / "back" / "cls"
+    d.mkdir(parents=True)
+    for i in range(20):
+        (d / f"img{i:03d}.jpg").write_bytes(os.urandom(100_000 + i))
+    m = tiermount(ram="64MiB", extra=["--backing", profile])
+    for i in range(20):
+        assert (m.mnt / "cls" / f"img{i:03d}.jpg").read_bytes() == (d / f"img{i:03d}.jpg").read_bytes()
+
+    def backing_dev() -> dict:
+        return json.loads((m.mnt / ".tierfs" / "stats.json").read_text())["devices"]["backing"]
+
+    end = time.monotonic() + 30
+    while backing_dev()["inline_calls"] + backing_dev()["thread_calls"] == 0:
+        assert time.monotonic() < end, "no backing data call"
+        time.sleep(0.05)
+    dev = backing_dev()
+    if profile == "hdd" or not backing_profile.local(str(tmp_path / "back")):
+        assert dev["inline_calls"] == 0 and dev["thread_calls"] > 0, dev
+    else:
+        assert dev["inline_calls"] > 0, dev

@@ -91,6 +91,21 @@ def test_filesystem_types(tmp_path: Path, line: str, want: str, text: str) -> No
     assert name == want and text in why, why
 
 
+
+@pytest.mark.parametrize(("fstype", "local"), [
+    ("nfs4", False), ("lustre", False), ("cifs", False), ("fuse.sshfs", False), ("fuse", False),
+    ("tmpfs", True), ("ext4", True), ("xfs", True), ("fuseblk", True),
+])
+def test_local_filesystems(tmp_path: Path, fstype: str, local: bool) -> None:
+    """Backing-store data calls may run on the event loop only on a local filesystem: a call
+    into a network or FUSE one may wait on a server for as long as it is unreachable."""
+    mi = mountinfo(tmp_path, "27 1 254:0 / / rw - ext4 /dev/vda rw",
+                   f"50 1 0:40 / /mnt/store rw - {fstype} src rw")
+    assert profile.local("/mnt/store/a", mountinfo=mi, dev=os.makedev(0, 40)) is local
+    # what cannot be told is not local
+    assert profile.local("/x", mountinfo=mi, dev=os.makedev(7, 7)) is False
+    assert profile.local("/x", mountinfo=str(tmp_path / "missing"), dev=1) is False
+
 def test_longest_mountpoint_of_the_device_wins_and_unknowns_are_hdd(tmp_path: Path) -> None:
     sys_root = tmp_path / "sys"
     disk(sys_root, "vda", "254:0", False)

@@ -140,6 +140,31 @@ def rotational_leaves(sys_root: str, major: int, minor: int, _depth: int = 0) ->
         return [(os.path.basename(node), f.read().strip() == "1")]
 
 
+def _mount_of(path: str, mountinfo: str, dev: int | None) -> MountInfo | None:
+    """The mount holding directory ``path`` (see :func:`detect`). Raises OSError."""
+    real = os.path.realpath(path)
+    if dev is None:
+        dev = os.stat(real).st_dev
+    with open(mountinfo) as f:
+        entries = parse_mountinfo(f.read())
+    return find_mount(entries, real, dev)
+
+
+def _is_fuse(fstype: str) -> bool:
+    return fstype.split(".", 1)[0] in ("fuse", "fuseblk") and fstype != "fuseblk"
+
+
+def local(path: str, *, mountinfo: str = "/proc/self/mountinfo", dev: int | None = None) -> bool:
+    """Whether the filesystem holding directory ``path`` is local: neither a network
+    filesystem nor a FUSE one (a call into either may wait on a server for as long as it is
+    unreachable). False when it cannot tell."""
+    try:
+        m = _mount_of(path, mountinfo, dev)
+    except OSError:
+        return False
+    return m is not None and not _is_fuse(m.fstype) and m.fstype.split(".", 1)[0] not in NETWORK_FS
+
+
 def detect(path: str, *, mountinfo: str = "/proc/self/mountinfo", sys_root: str = "/sys",
            dev: int | None = None) -> tuple[str, str]:
     """(profile, reason) of the filesystem holding directory ``path``. Never raises: what the
@@ -149,19 +174,14 @@ def detect(path: str, *, mountinfo: str = "/proc/self/mountinfo", sys_root: str 
     ``dev``: the directory's ``st_dev`` (default: ``os.stat(path)``); ``mountinfo``/``sys_root``:
     where to read them (tests give fake trees)."""
     try:
-        real = os.path.realpath(path)
-        if dev is None:
-            dev = os.stat(real).st_dev
-        with open(mountinfo) as f:
-            entries = parse_mountinfo(f.read())
+        m = _mount_of(path, mountinfo, dev)
     except OSError as e:
         return HDD, f"cannot tell ({e.strerror or e}); hdd is the safe assumption"
-    m = find_mount(entries, real, dev)
     if m is None:
         return HDD, "cannot tell (the directory's filesystem is not in mountinfo); hdd is the safe assumption"
     fs = m.fstype
     base = fs.split(".", 1)[0]
-    if base in ("fuse", "fuseblk") and fs != "fuseblk":
+    if _is_fuse(fs):
         return PARALLEL, f"{fs} at {m.mountpoint}: a FUSE filesystem (network or userspace store)"
     if base in NETWORK_FS:
         return PARALLEL, f"{fs} at {m.mountpoint}: a network filesystem"
