@@ -102,3 +102,35 @@ def test_setid_bits_dropped_as_on_a_local_filesystem(secmount, shared_dir: Path,
     # and the backing store gets the same modes once written back
     tierfs_cmd("flush", str(m.mnt), timeout=60)
     assert {n: oct(stat.S_IMODE(os.stat(m.backing / "t" / n).st_mode)) for n in here} == here
+
+
+def test_setid_bits_dropped_after_a_users_write_beside_passthrough_readers(
+        secmount, shared_dir: Path, attacker: User) -> None:
+    """A user's open for writing of a file that readers read through passthrough from its
+    tier copy writes that copy in place, and the kernel never shows the daemon those writes:
+    the bits go when the writer closes."""
+    import json
+    import time
+
+    back = shared_dir / "back"
+    (back / "f").write_bytes(os.urandom(100_000))
+    os.chmod(back / "f", 0o4777)
+    m: Mount = secmount(allow_other=True, extra=("--transport", "native"))
+    t = m.stats()["transport"]
+    if not t["passthrough"]:
+        pytest.skip(f"no kernel passthrough here: {t['why']}")
+    end = time.monotonic() + 30
+    while True:  # resident in the RAM tier, so that readers pass through to its tier copy
+        (m.mnt / "f").read_bytes()
+        where = json.loads(tierfs_cmd("where", str(m.mnt / "f"), "--json").stdout)[0]
+        if where["resident_bytes"].get("ram", 0) == 100_000:
+            break
+        assert time.monotonic() < end, "not resident"
+        time.sleep(0.05)
+    with open(m.mnt / "f", "rb") as reader:
+        before = m.stats()["writeback"]["in_place_opens"]
+        r = attacker.py(_STEPS, str(m.mnt), "write:f")
+        assert r.returncode == 0, r.stderr
+        assert m.stats()["writeback"]["in_place_opens"] == before + 1  # the path meant here
+        assert reader.read(4) == b"user"
+    assert oct(stat.S_IMODE(os.stat(m.mnt / "f").st_mode)) == "0o777"

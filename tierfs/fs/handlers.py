@@ -91,8 +91,6 @@ def _nofile() -> int:
     return 1 << 30 if soft == resource.RLIM_INFINITY else soft
 
 
-
-
 def _in_group(ctx: RequestCtx, gid: int) -> bool:
     """Whether caller ``ctx`` is root or in group ``gid``: its own gid, else its supplementary
     groups as /proc tells them (the kernel sends only the fsgid; False when it cannot be read:
@@ -108,8 +106,10 @@ def _in_group(ctx: RequestCtx, gid: int) -> bool:
         pass
     return False
 
+
 # set-user-ID and set-group-ID: a write by a caller without CAP_FSETID may drop them
 _SUIDGID = stat.S_ISUID | stat.S_ISGID
+
 
 class _Op:
     """``with handlers._op(what)``: one request, timed into ``Handlers.request_seconds``, its
@@ -744,6 +744,14 @@ class Handlers:
                 return None
             lease = await self._lease(h, fh, clean, written)
             entry = self.inodes.by_inode.get(h.inode)
+            if lease is not None and lease.writable and h.uid != 0 and entry is not None \
+                    and not (isinstance(lease.key, tuple) and lease.key[0] == "data"):
+                # a user's writes into a tier copy or the backing file in place (beside their
+                # passthrough readers: refusing would be ETXTBSY) never reach the daemon:
+                # set-ID bits go at the writer's flush or close if it wrote (_after_passthrough)
+                a = await self.ns.entry_attrs(entry)
+                if stat.S_ISREG(a.st_mode) and a.st_mode & _SUIDGID:
+                    self._suid_watch.setdefault(h.inode, (a.st_size, a.st_mtime_ns))
             if lease is not None and not h.writer and self.on_read_end is not None and entry is not None \
                     and entry.path is not None:
                 # its reads go to the kernel, never to the daemon, so the end of the file is
