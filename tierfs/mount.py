@@ -65,7 +65,7 @@ META_INLINE_UNDER_S = 0.001  # metadata calls run inline while each takes less (
 META_THREAD_PERIOD_S = 2.0
 DIRTY_INLINE_UNDER_S = 0.002  # dirty-file data writes likewise (a 1 MiB page-cache copy ~0.3 ms)
 DIRTY_THREAD_PERIOD_S = 2.0
-BACKING_INLINE_UNDER_S = 0.0005  # backing-store data calls on a parallel profile likewise
+BACKING_INLINE_UNDER_S = 0.0005  # backing-store reads on a local parallel store likewise
 # Attribute and xattr calls on data files in a RAM write tier (tmpfs: fchmod, fchown,
 # futimens, the data file's creation; microseconds, never I/O) run inline while each takes less:
 # in threads, tar -x of 10,000 files made 4 hand-offs per file (see WriteBack.attr_device)
@@ -397,23 +397,26 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                       slice_size=cfg.slice_size)
     log.info("backing profile %s (%s): %s; depth %d, slices of %s", profile.name, profile.source,
              profile.reason, profile.depth, format_size(profile.slice_size))
+    backing_dev = io.Device("backing", profile.depth)
     # On a local parallel store (an SSD, tmpfs), a chunk the kernel copies from the store's
     # page cache into a tier (a small file's fill after its passthrough reads) takes tens of
-    # microseconds, less than a hand-off to a thread: inline while measured so (io.Device).
-    # Shuffled first epochs over 8,000 files of ~110 KiB on tmpfs: +16% files/s, the daemon's
-    # CPU -20%, and the epochs after it +27-30% (the fills no longer lag, nor hold the GIL
-    # against the loop). Never on the hdd profile (its one request in flight is the device
-    # thread's), nor on a network or FUSE store, where a call may wait on a server for as long
-    # as it is unreachable and would stop every request with it.
-    inline_data = not profile.elevator and backing_profile.local(plan.backing)
-    backing_dev = io.Device("backing", profile.depth,
-                            inline_under=BACKING_INLINE_UNDER_S if inline_data else None,
-                            thread_period=DIRTY_THREAD_PERIOD_S)
+    # microseconds, less than a hand-off to a thread: reads and those copies get a device of
+    # their own that runs them inline while measured so (io.Device). Shuffled first epochs
+    # over 8,000 files of ~110 KiB on tmpfs: +16% files/s, the daemon's CPU -20%, and the
+    # epochs after it +27-30% (the fills no longer lag, nor hold the GIL against the loop).
+    # The write-back's calls (fsyncs, renames) stay in backing_dev's threads. Never on the hdd
+    # profile (one device, its one request in flight in its thread), nor on a network or FUSE
+    # store, where a call may wait on a server for as long as it is unreachable and would stop
+    # every request with it.
+    backing_reads = backing_dev
+    if not profile.elevator and backing_profile.local(plan.backing):
+        backing_reads = io.Device("backing-reads", profile.depth, inline_under=BACKING_INLINE_UNDER_S,
+                                  thread_period=DIRTY_THREAD_PERIOD_S)
     meta = io.Device("backing-meta", META_THREADS, inline_under=META_INLINE_UNDER_S, yield_every=8,
                      thread_period=META_THREAD_PERIOD_S)
 
     async def read_backing(f: BackingFile, offset: int, length: int) -> bytes:
-        return await backing_dev.run(_read_checked, f, offset, length)
+        return await backing_reads.run(_read_checked, f, offset, length)
 
     async def run_backing_io(fn):  # type: ignore[no-untyped-def]
         return await backing_dev.run(fn)
@@ -425,6 +428,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     policy = Policy(cfg.eviction, window=max(1024, 8 * total_chunks), plan=HintPlan())
     cache = Cache(tiers, devices, policy, scheduler, chunk_size=cfg.chunk_size,
                   staging_bytes=cfg.staging, ssd_catalog=ssd_catalog)
+    if backing_reads is not backing_dev:
+        cache.copy_io = backing_reads.run
     restored = await trio.to_thread.run_sync(cache.load_persistent)
     if restored:
         log.info("SSD tier: %d chunks restored from %s", restored, plan.tiers[-1].path)
@@ -468,7 +473,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                                inodes=len(inodes),
                                fuse_reads=(ops.reads, ops.read_bytes, ops.max_read),
                                fuse_writes=(ops.writes, ops.write_bytes),
-                               devices=[*devices, backing_dev, meta, dirty_data_dev,
+                               devices=[*devices, backing_dev, *([backing_reads] if backing_reads is not backing_dev else []),
+                                        meta, dirty_data_dev,
                                         *([attr_dev] if attr_dev is not None else [])])
         doc["scheduler"]["backing_opens"] = tree.opens  # open(2) calls on the backing tree
         doc["scheduler"]["shared_opens"] = ops.ns.shared_opens  # opens that reused an open file

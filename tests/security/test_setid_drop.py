@@ -134,3 +134,22 @@ def test_setid_bits_dropped_after_a_users_write_beside_passthrough_readers(
         assert m.stats()["writeback"]["in_place_opens"] == before + 1  # the path meant here
         assert reader.read(4) == b"user"
     assert oct(stat.S_IMODE(os.stat(m.mnt / "f").st_mode)) == "0o777"
+
+
+def test_a_users_write_of_a_written_setid_file_beside_its_readers_drops_the_bits(
+        secmount, shared_dir: Path, attacker: User) -> None:
+    """A set-ID file written through the mount (dirty, in the write tier) and read by a
+    passthrough reader: a user's open for writing joins the reader's data file (refused, it
+    would fail ETXTBSY: the kernel wants one backing file per inode), and the bits go at its
+    close."""
+    m: Mount = secmount(allow_other=True, extra=("--transport", "native"))
+    t = m.stats()["transport"]
+    if not t["passthrough"]:
+        pytest.skip(f"no kernel passthrough here: {t['why']}")
+    (m.mnt / "w").write_bytes(b"0123456789")
+    os.chmod(m.mnt / "w", 0o4777)
+    with open(m.mnt / "w", "rb") as reader:
+        r = attacker.py(_STEPS, str(m.mnt), "write:w")
+        assert r.returncode == 0, r.stderr
+        assert reader.read(4) == b"user"
+    assert oct(stat.S_IMODE(os.stat(m.mnt / "w").st_mode)) == "0o777"

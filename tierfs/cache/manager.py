@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -168,6 +168,9 @@ class Cache:
         if not scheduler.elevator and scheduler.can_run_io:
             scheduler.transfer = self._transfer
         self.direct_fetches = 0  # chunks copied backing -> tier in the kernel
+        # runs those copies: the scheduler's backing device, unless the mount gives a device
+        # for backing reads alone (a local parallel store: inline while cheap)
+        self.copy_io: Callable[[Callable[[], bool]], Awaitable[bool]] = scheduler.run_io
         self.chunk_size = chunk_size
         self.catalog = Catalog()
         self.ssd_catalog = ssd_catalog
@@ -723,7 +726,7 @@ class Cache:
             for c in cids:
                 await self._quiet(t, c)
             try:
-                ok = await self.scheduler.run_io(partial(_copy_checked, f, tier, offset, length))
+                ok = await self.copy_io(partial(_copy_checked, f, tier, offset, length))
             except OSError as e:  # the backing file's fstat/fadvise: the plain read will tell
                 log.debug("kernel copy of %s: %s; reading instead", f.path, e)
             except TierIOError as e:

@@ -455,6 +455,23 @@ class Handlers:
                 self._suid_watch[inode] = (a.st_size, a.st_mtime_ns)
             return a
 
+    async def _watch_setid(self, h: FileHandle, entry: InodeEntry) -> None:
+        """After a writable lease of user handle ``h``: a user's writes through the kernel never
+        reach the daemon, so the set-ID bits of a set-ID file go at the writer's flush or close
+        if it wrote (:meth:`_after_passthrough`). A set-ID file gets a lease here when beside
+        passthrough readers (refused, the open would fail ETXTBSY), or when a chmod made it so
+        while the lease was being granted. Best effort: an error leaves it unwatched."""
+        try:
+            if h.dirty is not None and h.dirty.fd >= 0:
+                mode = os.fstat(h.dirty.fd).st_mode  # no I/O: what an ordinary create pays
+            else:
+                mode = (await self.ns.entry_attrs(entry)).st_mode
+            if stat.S_ISREG(mode) and mode & _SUIDGID:
+                a = await self.ns.entry_attrs(entry)
+                self._suid_watch.setdefault(h.inode, (a.st_size, a.st_mtime_ns))
+        except (OSError, KeyError, FuseError, TierfsError) as e:
+            log.debug("set-ID watch of inode %d: %s", h.inode, e)
+
     def _passthrough_writers(self, inode: int) -> bool:
         """Whether a handle of ``inode`` writes through a passthrough lease (a scan of the
         open handles: only for a chmod that sets set-user/group-ID)."""
@@ -482,7 +499,13 @@ class Handlers:
             drop |= stat.S_ISGID
         if not drop:
             return a
-        return await self.ns.setattr(inode, SetAttr(mode=stat.S_IMODE(m) & ~drop))
+        try:
+            return await self.ns.setattr(inode, SetAttr(mode=stat.S_IMODE(m) & ~drop))
+        except (OSError, KeyError, FuseError, TierfsError) as e:
+            # (an unlinked file with no dirty copy has no name to chmod; the caller's write
+            # or truncate is done and must not fail for this)
+            log.warning("could not drop the set-ID bits of inode %d: %s", inode, e)
+            return a
 
     async def _truncate_tier_copy(self, inode: int, size: int) -> None:
         """A truncate of an inode whose opens pass through to its tier copy reaches that
@@ -678,7 +701,9 @@ class Handlers:
             self.writes += 1
             self.write_bytes += len(buf)
             n: int = await self.wb.write(df, off, buf)
-            if kill_suidgid:
+            if kill_suidgid and df.fd >= 0 and os.fstat(df.fd).st_mode & _SUIDGID:
+                # (the kernel sets the flag on every write of a caller without CAP_FSETID,
+                # whatever the file's mode: an fstat first, the whole check only for set-ID files)
                 await self._kill_suidgid(h.inode, None, ctx)
             return n
 
@@ -744,14 +769,8 @@ class Handlers:
                 return None
             lease = await self._lease(h, fh, clean, written)
             entry = self.inodes.by_inode.get(h.inode)
-            if lease is not None and lease.writable and h.uid != 0 and entry is not None \
-                    and not (isinstance(lease.key, tuple) and lease.key[0] == "data"):
-                # a user's writes into a tier copy or the backing file in place (beside their
-                # passthrough readers: refusing would be ETXTBSY) never reach the daemon:
-                # set-ID bits go at the writer's flush or close if it wrote (_after_passthrough)
-                a = await self.ns.entry_attrs(entry)
-                if stat.S_ISREG(a.st_mode) and a.st_mode & _SUIDGID:
-                    self._suid_watch.setdefault(h.inode, (a.st_size, a.st_mtime_ns))
+            if lease is not None and lease.writable and h.uid != 0 and entry is not None:
+                await self._watch_setid(h, entry)
             if lease is not None and not h.writer and self.on_read_end is not None and entry is not None \
                     and entry.path is not None:
                 # its reads go to the kernel, never to the daemon, so the end of the file is
@@ -775,10 +794,11 @@ class Handlers:
         if df is not None and df.state.value != "clean":
             if h.dirty is not df:
                 return None  # opened before the file became dirty: the daemon serves it
-            if h.writer and h.uid != 0 and df.fd >= 0 and os.fstat(df.fd).st_mode & _SUIDGID:
+            if h.writer and h.uid != 0 and not written and df.fd >= 0 and os.fstat(df.fd).st_mode & _SUIDGID:
                 # a set-user/group-ID file opened for writing by a user: its writes come to
                 # the daemon, which drops the bits (_kill_suidgid); a write the kernel passes
-                # through never reaches it
+                # through never reaches it. (Not while readers pass through to the data file:
+                # refused, the open would fail ETXTBSY; watched instead, in lease().)
                 return None
             lease = await self.wb.lease_data(df, h.writer)
         elif written and df is not None and not h.writer and df.fd >= 0:
@@ -959,11 +979,10 @@ class Handlers:
             await self.wb.after_passthrough_write(h.dirty)
         seen = self._suid_watch.get(h.inode)
         entry = self.inodes.by_inode.get(h.inode)
-        if seen is not None and h.uid != 0 and entry is not None:
+        if seen is not None and h.uid != 0 and entry is not None and entry.path is not None:
             a = await self.ns.entry_attrs(entry)
-            if (a.st_size, a.st_mtime_ns) != seen:  # written since the chmod
-                del self._suid_watch[h.inode]
-                await self._kill_suidgid(h.inode, a, Ctx(h.uid, h.gid, h.pid))
+            if (a.st_size, a.st_mtime_ns) != seen and self._suid_watch.pop(h.inode, None) is not None:
+                await self._kill_suidgid(h.inode, a, Ctx(h.uid, h.gid, h.pid))  # written since
 
     async def _take_in_place(self, h: FileHandle) -> None:
         """A writer's passthrough writes went into the tier copy (in place): the file's dirty
@@ -996,8 +1015,8 @@ class Handlers:
                         await self._after_passthrough(h)
                     lease, h.lease = h.lease, None
                     lease.release()  # before closed(): write-back may start at once
-                    if h.inode in self._suid_watch and not self._passthrough_writers(h.inode):
-                        del self._suid_watch[h.inode]
+                if h.inode in self._suid_watch and not self._passthrough_writers(h.inode):
+                    del self._suid_watch[h.inode]
                 self.readahead.forget(h.readahead)
                 self.cache.forget_access(h.access)
                 if h.file is not None:

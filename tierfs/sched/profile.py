@@ -162,7 +162,8 @@ def local(path: str, *, mountinfo: str = "/proc/self/mountinfo", dev: int | None
         m = _mount_of(path, mountinfo, dev)
     except OSError:
         return False
-    return m is not None and not _is_fuse(m.fstype) and m.fstype.split(".", 1)[0] not in NETWORK_FS
+    base = m.fstype.split(".", 1)[0] if m is not None else ""
+    return m is not None and base not in ("fuse", "fuseblk") and base not in NETWORK_FS
 
 
 def detect(path: str, *, mountinfo: str = "/proc/self/mountinfo", sys_root: str = "/sys",
