@@ -32,7 +32,7 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,42 @@ def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool)
 
 def unmount_detach(mountpoint: str) -> bool:
     return _libc.umount2(mountpoint.encode(), MNT_DETACH) == 0
+
+
+class _Inline:
+    """``await _Inline(coro, on_suspend)`` awaits ``coro`` and calls ``on_suspend()`` the first
+    time it suspends (yields to trio), before it does; never if it completes without
+    suspending. It forwards what trio sends or throws in, as ``await`` would."""
+
+    __slots__ = ("coro", "on_suspend")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], on_suspend: Callable[[], None]) -> None:
+        self.coro = coro
+        self.on_suspend = on_suspend
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self.coro
+        try:
+            out = coro.send(None)
+        except StopIteration as e:
+            return e.value
+        self.on_suspend()
+        while True:
+            try:
+                sent = yield out
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:  # noqa: BLE001 - thrown in by trio: the coroutine's to handle
+                try:
+                    out = coro.throw(e)
+                except StopIteration as s:
+                    return s.value
+            else:
+                try:
+                    out = coro.send(sent)
+                except StopIteration as s:
+                    return s.value
 
 
 def _fstype(real: str) -> str | None:
@@ -397,7 +433,13 @@ class NativeSession:
         a request never waits behind a slow one (as many run at once as the kernel sends),
         and workers beyond ``MAX_IDLE_WORKERS`` idle ones end. A task per request cost ~10 us
         more per request (its spawn, its exit, one more scheduling round), about a fifth of
-        the loop's own time in a small-file epoch (py-spy)."""
+        the loop's own time in a small-file epoch (py-spy).
+
+        The worker that read a request keeps the reading turn until its handler first
+        suspends (:class:`_Inline`): most requests (a lookup, a getattr, an unlink) never do,
+        and while a handler runs without suspending no other task of the loop could have
+        read anyway. Handing the turn on before serving woke a parked worker for every
+        request only for it to park again."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
                 self._start_worker(nursery)
@@ -412,23 +454,31 @@ class NativeSession:
 
     async def _worker(self, nursery: trio.Nursery) -> None:
         task = trio.lowlevel.current_task()
+        holding = False  # this worker holds the reading turn (its last handler never suspended)
+
+        def hand_off() -> None:  # its handler suspends: the next worker reads meanwhile
+            nonlocal holding
+            holding = False
+            self._release_turn()
+            if self._idle == 0:
+                self._start_worker(nursery)  # someone must go on reading meanwhile
+
         try:
             while True:
                 try:  # counted idle (by _start_worker, or at the end of the last round)
-                    raw = await self._next_request()
+                    raw = await self._next_request(holding)
+                    holding = True
                 finally:
                     self._idle -= 1
-                if raw is None:
+                if raw is None:  # (the turn is released on the way out: no new worker)
                     nursery.cancel_scope.cancel()  # unmounted: nobody waits for the answers
                     return
-                if self._idle == 0:
-                    self._start_worker(nursery)  # someone must go on reading meanwhile
                 job = self._dispatch(raw)
                 if job is not None:
                     # the loop watch names it: by the task's name while the handler waits, by
                     # ``request`` when the step that ran it ends in this loop (it did not wait)
                     task.name = loopwatch.request[0] = _TASK_NAMES.get(job[0].opcode, "fuse.?")
-                    await self._serve(*job)
+                    await _Inline(self._serve(*job), hand_off)
                     task.name = "fuse.worker"
                 self._burst += 1
                 if self._burst >= BURST:
@@ -436,26 +486,35 @@ class NativeSession:
                     # yielded (a release, a forget): let the loop's other tasks run
                     self._burst = 0
                     await trio.lowlevel.checkpoint()
-                if self._idle >= MAX_IDLE_WORKERS:
+                if not holding and self._idle >= MAX_IDLE_WORKERS:
                     return
                 self._idle += 1
         finally:
+            if holding:
+                self._release_turn()
             self.workers -= 1
 
-    async def _next_request(self) -> bytes | None:
+    def _release_turn(self) -> None:
+        self._reading = False
+        self._turn.unpark()
+
+    async def _next_request(self, holding: bool) -> bytes | None:
         """The next request, read by one worker at a time (a descriptor has one waiter in
-        trio); the others park until its read is done."""
-        while self._reading:
-            await self._turn.park()
-        self._reading = True
+        trio): the worker holding the turn (``holding``), or the first to take it; the
+        others park until it is handed on. Returns with the turn held; raises with it
+        released."""
+        if not holding:
+            while self._reading:
+                await self._turn.park()
+            self._reading = True
         try:
             while self._write_bytes > MAX_WRITE_BYTES_IN_FLIGHT:
                 self._room = trio.Event()
                 await self._room.wait()
             return await self._read()
-        finally:
-            self._reading = False
-            self._turn.unpark()
+        except BaseException:
+            self._release_turn()
+            raise
 
     def terminate(self) -> None:
         if self._scope is not None:

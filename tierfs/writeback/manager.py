@@ -103,6 +103,7 @@ PROBE_FROM = 1 << 32
 # without asking the daemon, which can then neither switch the file to write-through nor stop
 # at the tier's capacity (see WriteBack.lease_data).
 WRITE_LEASE_ROOM_DIVISOR = 8
+DATA_NAME_TRIES = 8  # ids tried for a new data file whose name is taken (crash debris)
 
 __all__ = ["TMP_PREFIX", "DirtyFile", "DirtyState", "WriteBack", "WriteBackStats", "is_tmp_name"]
 
@@ -585,21 +586,26 @@ class WriteBack:
         old = self.by_path.get(path)
         if old is not None:
             await self.unlink(old)
-        # The row names no path until the data file exists: a crash in between leaves a row
-        # recovery simply drops (nothing was answered yet), never one whose data is "missing".
-        id_ = cast("int", self._journal(self.journal.add, None))
-        data_path = os.path.join(self.dirty_dir, str(id_))
+        # The data file first, then its row (with the path, in one commit): a crash in
+        # between leaves a data file nobody journals, which recovery removes (nothing was
+        # answered yet), never a row whose data is "missing".
         fd = -1
+        for _ in range(DATA_NAME_TRIES):
+            id_ = self.journal.new_id()
+            data_path = os.path.join(self.dirty_dir, str(id_))
+            try:
+                fd = await self.attr_device.run(_create_data_file, data_path, mode, uid, gid, times)
+                break
+            except FileExistsError:  # debris of a crash that recovery has not removed yet
+                continue
+        else:
+            raise OSError(errno.EEXIST, "no free data file name in the write tier")
         try:
-            fd = await self.attr_device.run(_create_data_file, data_path, mode, uid, gid, times)
-            if journal:
-                self._journal(self.journal.set_path, id_, path)
+            self._journal(self.journal.add, id_, path if journal else None)
         except BaseException:
             if fd >= 0:
                 os.close(fd)
                 _unlink_quiet(data_path)
-            with contextlib.suppress(OSError):
-                self.journal.remove(id_)
             raise
         df = DirtyFile(id_, path, data_path, fd=fd, owner=uid, no_caps=True)
         self.register(df)
@@ -1150,13 +1156,17 @@ class WriteBack:
             if not self._leasable(df, writable):
                 return self._refuse()
             self.leases.begin(lkey)
-            flags = os.O_RDWR if writable else os.O_RDONLY
             try:
-                # (the attribute device: inline on a RAM write tier, where a passthrough
-                # open's two calls in threads were two hand-offs per file of a tar -x)
-                fd = await self.attr_device.run(partial(private.open_file, self.dirty_fd,
-                                                        os.path.basename(df.data_path), flags,
-                                                        create=False, attrs=False))
+                if writable:
+                    # a duplicate of the daemon's own descriptor (leasable: the data file,
+                    # O_RDWR), not an open of its name: one call, no check of what the name
+                    # holds (each file a tar -x creates takes one)
+                    fd = os.dup(df.fd)
+                else:  # a descriptor that cannot write, for readers
+                    # (the attribute device: inline on a RAM write tier)
+                    fd = await self.attr_device.run(partial(private.open_file, self.dirty_fd,
+                                                            os.path.basename(df.data_path), os.O_RDONLY,
+                                                            create=False, attrs=False))
             except OSError as e:
                 self.leases.abort(lkey)
                 log.warning("cannot open the data file of %s for passthrough: %s",
