@@ -344,6 +344,73 @@ def test_workers_grow_with_blocked_requests_and_shrink_after():
     assert s.interrupted == 50
 
 
+def test_requests_that_never_wait_are_served_by_one_worker():
+    """A worker keeps the reading turn while its handler runs without waiting: a client that
+    sends one request at a time (``rm -rf``, ``tar -x``) is served by one worker, with no
+    other woken or started per request (each request used to start or wake a second one)."""
+    async def script(peer, stub):
+        await peer.reply()
+        for k in range(20):
+            await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=10 + k, nodeid=5))
+            assert (await peer.reply())[:2] == (10 + k, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+        await peer.send(req(c.READ, c._READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), unique=50))
+        await stub.reading.wait()  # the read waits: its worker handed the turn on
+        await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=51, nodeid=5))
+        assert (await peer.reply())[:2] == (51, 0)
+        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+
+    seen: list[tuple[int, int]] = []
+    s_ref: list = []
+    real_init = native.NativeSession.__init__
+
+    def init(self, *a, **k):  # type: ignore[no-untyped-def]
+        real_init(self, *a, **k)
+        s_ref.append(self)
+
+    native.NativeSession.__init__ = init  # type: ignore[method-assign]
+    try:
+        _run(script)
+    finally:
+        native.NativeSession.__init__ = real_init  # type: ignore[method-assign]
+    assert seen == [(1, 1), (2, 2)]
+
+
+def test_inline_await_calls_on_suspend_once_and_forwards_values_and_errors():
+    calls: list[str] = []
+
+    async def no_wait() -> int:
+        return 1
+
+    async def waits() -> int:
+        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint()
+        return 2
+
+    async def cancelled() -> str:
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await trio.sleep(10)  # the Cancelled trio throws in reaches the coroutine
+        return "caught" if cs.cancelled_caught else "not"
+
+    async def fails() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("x")
+
+    async def main() -> None:
+        assert await native._Inline(no_wait(), lambda: calls.append("a")) == 1
+        assert calls == []
+        assert await native._Inline(waits(), lambda: calls.append("b")) == 2
+        assert calls == ["b"]
+        assert await native._Inline(cancelled(), lambda: calls.append("c")) == "caught"
+        with pytest.raises(KeyError):
+            await native._Inline(fails(), lambda: calls.append("d"))
+        assert calls == ["b", "c", "d"]
+
+    trio.run(main)
+
+
 def test_forget_storm():
     items = [(i, 1) for i in range(2, 4002)]
 
