@@ -9,6 +9,7 @@ import trio
 
 from tierfs import loopwatch
 from tierfs.loopwatch import LoopWatch
+from tierfs.transport.native import _Inline
 
 
 @pytest.fixture(autouse=True)
@@ -136,3 +137,23 @@ def test_a_step_paused_by_the_collector_says_so(monkeypatch: pytest.MonkeyPatch)
     assert st.over == 2
     assert st.gc_ms == pytest.approx(31.0) and st.gc_worst_ms == pytest.approx(30.0)
     assert sorted(w.endswith("(in gc)") for w in st.offenders) == [False, True]
+
+
+def test_names_the_handler_inside_the_transports_inline_await(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request handler runs inside the native transport's ``_Inline``, which drives its
+    coroutine by hand: the watch still names the handler's line, not ``_Inline``'s."""
+    clock = StepClock()
+    monkeypatch.setattr(loopwatch.time, "perf_counter", clock)
+    watch = LoopWatch(0.020)
+
+    async def handler() -> None:
+        await trio.lowlevel.checkpoint()
+        clock.now += 0.050
+        await trio.lowlevel.checkpoint()  # the step that ran long ends here
+
+    async def worker() -> None:
+        await _Inline(handler(), lambda: None)
+
+    trio.run(worker, instruments=[watch])
+    st = watch.statistics()
+    assert st.over == 1 and "test_loopwatch.py:" in st.worst_task, st.worst_task

@@ -89,9 +89,14 @@ def _frame(task: trio.lowlevel.Task) -> tuple[FrameType, int] | None:
         f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if f is not None and not f.f_code.co_filename.startswith(_LIBRARY_DIRS):
             found = (f, f.f_lineno)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-        if coro is None:
+        nxt = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if nxt is None and f is not None and f.f_code.co_name == "__await__":
+            # an awaitable that drives a coroutine by hand keeps it in its local ``coro``
+            # (tierfs.transport.native._Inline: every request handler runs in one)
+            nxt = f.f_locals.get("coro")
+        if nxt is None:
             break
+        coro = nxt
     return found
 
 

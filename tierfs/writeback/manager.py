@@ -358,10 +358,15 @@ def _create_data_file(path: str, mode: int, uid: int, gid: int, times: tuple[int
     # path is in the private dirty/ directory, named through its descriptor (WriteBack.dirty_dir);
     # O_EXCL|O_NOFOLLOW: never a name someone planted (ids are unique; recovery removes debris)
     fd = private.create_path(path)
-    os.fchown(fd, uid, gid)  # owner first: a chown clears setuid/setgid set before it
-    os.fchmod(fd, mode & 0o7777)
-    if times is not None:
-        os.utime(fd, ns=times)
+    try:
+        os.fchown(fd, uid, gid)  # owner first: a chown clears setuid/setgid set before it
+        os.fchmod(fd, mode & 0o7777)
+        if times is not None:
+            os.utime(fd, ns=times)
+    except BaseException:  # (no descriptor left open, no file left behind)
+        os.close(fd)
+        _unlink_quiet(path)
+        raise
     return fd
 
 
