@@ -35,3 +35,23 @@ def test_stale_journal_row_never_bricks_the_mount(tiermount, tmp_path: Path) -> 
     assert wb["quarantined"] == 1 and wb["quarantined_paths"] == ["stale"]
     doctor = tierfs_cmd("doctor", str(m.mnt), check=False, timeout=60)
     assert "quarantined" in doctor.stdout and "stale" in doctor.stdout
+
+
+def test_files_left_to_write_back_never_go_to_another_backing_directory(tiermount, tmp_path: Path) -> None:
+    """The write tier is named after the mountpoint. Files a crash left in it belong to the
+    backing directory mounted there then: another directory mounted on the same mountpoint is
+    refused (it used to get them written into it), and the first one gets them back."""
+    m = tiermount(ram="16MiB", ssd="64MiB", extra=("-o", "writeback_deadline=3600"))
+    (m.mnt / "private").write_bytes(b"p" * 1000)  # dirty, closed, not yet written back
+    m.kill9()
+    other = tmp_path / "other"
+    other.mkdir()
+    r = tierfs_cmd("mount", str(other), str(m.mnt), *m.args, check=False, timeout=60)
+    assert r.returncode != 0 and "not yet written back to" in r.stderr, r.stderr
+    assert not (other / "private").exists()
+    m.start()  # the directory they belong to
+    tierfs_cmd("flush", str(m.mnt))
+    assert (tmp_path / "back" / "private").read_bytes() == b"p" * 1000
+    m.stop()
+    m2 = tiermount(ram="16MiB", ssd="64MiB", backing=other)  # nothing left: mounted as usual
+    m2.stop()

@@ -25,6 +25,17 @@ class MountError(TierfsError):
     """The mount cannot be set up (missing backing dir, busy mountpoint, no /dev/fuse, ...)."""
 
 
+class ForeignJournal(MountError):
+    """The write tier's journal holds files not yet written back to another backing directory
+    (``recorded``) than the one being mounted: recovering them would write one store's files
+    into another."""
+
+    def __init__(self, msg: str, recorded: str, files: int) -> None:
+        super().__init__(msg)
+        self.recorded = recorded
+        self.files = files
+
+
 class TierFull(TierfsError):
     """A tier has no room for ``needed`` bytes. Never reaches a user: the cache falls back."""
 

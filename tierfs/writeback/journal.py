@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tierfs.errors import ForeignJournal
+
 SCHEMA = 2
 # Blocks allocated ahead for the journal (see Journal._reserve). The WAL grows to its
 # auto-checkpoint size (1000 pages of 4 KiB) and is then reused in place from its start, so
@@ -162,6 +164,30 @@ class Journal:
         with self._lock:
             try:
                 return self._db.execute(sql, args)
+            except sqlite3.Error as e:
+                raise _os_error(e) from None
+
+    def claim(self, backing: str) -> None:
+        """Record that this journal's files belong to the backing directory ``backing`` (a
+        real path), before recovery writes any of them back. Raises ForeignJournal if it holds
+        dirty files of another backing directory: the write tier is named after the
+        mountpoint, and another directory mounted there after a crash (or an unmount that left
+        files to write back) would have had them written into it. A journal that names no
+        directory yet (new, or older than this record) is claimed as it is. OSError if it
+        cannot be written."""
+        with self._lock:
+            try:
+                row = self._db.execute("SELECT v FROM meta WHERE k='backing'").fetchone()
+                if row is not None and row[0] != backing:
+                    (n,) = self._db.execute("SELECT COUNT(*) FROM dirty WHERE path IS NOT NULL").fetchone()
+                    if n:
+                        raise ForeignJournal(
+                            f"this mountpoint's write tier holds {n} file(s) not yet written back to "
+                            f"{row[0]}, which was mounted here, not {backing}: mount {row[0]} here "
+                            "again to write them back (docs/troubleshooting.md, \"Files of another "
+                            "backing directory\")",
+                            row[0], n)
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('backing', ?)", (backing,))
             except sqlite3.Error as e:
                 raise _os_error(e) from None
 
