@@ -446,7 +446,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     journal = Journal(_private_db(tiers[wt], "journal.sqlite"), reserve_limit=tiers[wt].capacity // 16)
     # the write tier is named after the mountpoint: its files to write back must be this
     # backing directory's, never another's mounted here since (ForeignJournal, at once)
-    journal.claim(await trio.to_thread.run_sync(os.path.realpath, plan.backing))
+    journal.claim(os.fsencode(await trio.to_thread.run_sync(os.path.realpath, plan.backing)))
     tiers[wt].set_aside(journal.reserved_bytes)
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],

@@ -167,9 +167,10 @@ class Journal:
             except sqlite3.Error as e:
                 raise _os_error(e) from None
 
-    def claim(self, backing: str) -> None:
+    def claim(self, backing: bytes) -> None:
         """Record that this journal's files belong to the backing directory ``backing`` (a
-        real path), before recovery writes any of them back. Raises ForeignJournal if it holds
+        real path, bytes: any name the filesystem allows), before recovery writes any of them
+        back. Raises ForeignJournal if it holds
         dirty files of another backing directory: the write tier is named after the
         mountpoint, and another directory mounted there after a crash (or an unmount that left
         files to write back) would have had them written into it. A journal that names no
@@ -181,12 +182,13 @@ class Journal:
                 if row is not None and row[0] != backing:
                     (n,) = self._db.execute("SELECT COUNT(*) FROM dirty WHERE path IS NOT NULL").fetchone()
                     if n:
+                        was = os.fsdecode(row[0])
                         raise ForeignJournal(
                             f"this mountpoint's write tier holds {n} file(s) not yet written back to "
-                            f"{row[0]}, which was mounted here, not {backing}: mount {row[0]} here "
-                            "again to write them back (docs/troubleshooting.md, \"Files of another "
-                            "backing directory\")",
-                            row[0], n)
+                            f"{was}, which was mounted here, not {os.fsdecode(backing)}: mount {was} "
+                            "here again to write them back (docs/troubleshooting.md, \"Files of "
+                            "another backing directory\")",
+                            was, n)
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('backing', ?)", (backing,))
             except sqlite3.Error as e:
                 raise _os_error(e) from None
