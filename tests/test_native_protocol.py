@@ -164,6 +164,7 @@ class StubHandlers:
         self.read_cancelled = False
         self.reading = trio.Event()
         self.released: list[int] = []
+        self.session: native.NativeSession | None = None  # the session serving it (_with_session)
 
     async def getattr(self, inode, ctx=None):
         return Attr(st_ino=inode, st_mode=0o100644, st_nlink=1)
@@ -217,6 +218,7 @@ async def _with_session(script) -> tuple[native.NativeSession, StubHandlers]:
     a.setblocking(False)
     stub = StubHandlers()
     s = native.NativeSession(stub, a.detach(), "/nonexistent/tierfs-test", want_passthrough=True)  # type: ignore[arg-type]
+    stub.session = s
     peer = Peer(b)
     await peer.send(req(c.INIT, struct.pack("<IIIII", 7, 45, 1 << 17, c.INIT_EXT | c.ASYNC_READ, 0) + bytes(44), unique=1))
     await s.init()
@@ -324,21 +326,10 @@ def test_workers_grow_with_blocked_requests_and_shrink_after():
         got = sorted([(await peer.reply())[:2] for _ in range(50)])
         assert got == [(100 + k, errno.EINTR) for k in range(50)]
         await trio.testing.wait_all_tasks_blocked()
-        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+        seen.append((stub.session.peak_workers, stub.session.workers))
 
     seen: list[tuple[int, int]] = []
-    s_ref: list = []
-    real_init = native.NativeSession.__init__
-
-    def init(self, *a, **k):  # type: ignore[no-untyped-def]
-        real_init(self, *a, **k)
-        s_ref.append(self)
-
-    native.NativeSession.__init__ = init  # type: ignore[method-assign]
-    try:
-        s, _ = _run(script)
-    finally:
-        native.NativeSession.__init__ = real_init  # type: ignore[method-assign]
+    s, _ = _run(script)
     peak, after = seen[0]
     assert peak > 50 and after <= native.MAX_IDLE_WORKERS + 1
     assert s.interrupted == 50
@@ -354,26 +345,15 @@ def test_requests_that_never_wait_are_served_by_one_worker():
             await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=10 + k, nodeid=5))
             assert (await peer.reply())[:2] == (10 + k, 0)
         await trio.testing.wait_all_tasks_blocked()
-        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+        seen.append((stub.session.peak_workers, stub.session.workers))
         await peer.send(req(c.READ, c._READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), unique=50))
         await stub.reading.wait()  # the read waits: its worker handed the turn on
         await peer.send(req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=51, nodeid=5))
         assert (await peer.reply())[:2] == (51, 0)
-        seen.append((s_ref[0].peak_workers, s_ref[0].workers))
+        seen.append((stub.session.peak_workers, stub.session.workers))
 
     seen: list[tuple[int, int]] = []
-    s_ref: list = []
-    real_init = native.NativeSession.__init__
-
-    def init(self, *a, **k):  # type: ignore[no-untyped-def]
-        real_init(self, *a, **k)
-        s_ref.append(self)
-
-    native.NativeSession.__init__ = init  # type: ignore[method-assign]
-    try:
-        _run(script)
-    finally:
-        native.NativeSession.__init__ = real_init  # type: ignore[method-assign]
+    _run(script)
     assert seen == [(1, 1), (2, 2)]
 
 

@@ -170,10 +170,10 @@ class Journal:
     def claim(self, backing: bytes) -> None:
         """Record that this journal's files belong to the backing directory ``backing`` (a
         real path, bytes: any name the filesystem allows), before recovery writes any of them
-        back. Raises ForeignJournal if it holds
-        dirty files of another backing directory: the write tier is named after the
-        mountpoint, and another directory mounted there after a crash (or an unmount that left
-        files to write back) would have had them written into it. A journal that names no
+        back. Raises ForeignJournal if it holds dirty files of another backing directory: the
+        write tier is named after the mountpoint, and another directory mounted there after a
+        crash (or an unmount that left files to write back) would have had them written into
+        it. A journal that names no
         directory yet (new, or older than this record) is claimed as it is. OSError if it
         cannot be written."""
         with self._lock:
