@@ -466,7 +466,9 @@ class NativeSession:
         try:
             while True:
                 try:  # counted idle (by _start_worker, or at the end of the last round)
-                    raw = await self._next_request(holding)
+                    # (not held while it runs: it releases the turn itself if it raises)
+                    held, holding = holding, False
+                    raw = await self._next_request(held)
                     holding = True
                 finally:
                     self._idle -= 1
