@@ -6,19 +6,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import needs_fuse, tierfs_cmd, write_random
+from tierfs.mount import mount_id
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 MiB = 1 << 20
 
 
-def doctor(mnt: Path) -> tuple[int, dict[str, list[str]]]:
-    """Exit code and {check: ["LEVEL message", ...]} of `tierfs doctor`."""
-    r = tierfs_cmd("doctor", str(mnt), check=False, timeout=60)
+def doctor(mnt: Path | None, *args: str) -> tuple[int, dict[str, list[str]]]:
+    """Exit code and {check: ["LEVEL message", ...]} of `tierfs doctor [MNT] [ARGS]`."""
+    r = tierfs_cmd("doctor", *([str(mnt)] if mnt is not None else []), *args, check=False, timeout=60)
     lines = r.stdout.splitlines()
     found: dict[str, list[str]] = {}
     last: list[str] = []
@@ -150,3 +153,63 @@ def test_backing_profile_set_by_flag_is_shown_with_what_detection_says(tiermount
     rc, found = doctor(m.mnt)
     [msg] = found["backing profile"]
     assert "parallel (flag --backing" in msg
+
+
+def test_ram_tiers_no_daemon_holds_are_named_with_what_to_do_and_freed(tiermount, tmp_path: Path) -> None:
+    """`tierfs doctor` without a mountpoint: a RAM tier left by a daemon that died (or was
+    unmounted without --flush) holds memory for nothing, or files a reboot loses; it is
+    listed with what it keeps and what to do. --free removes what nothing needs, never a file
+    not yet written back; mounting again as told writes the file back."""
+    ram_dir = Path(tempfile.mkdtemp(prefix="tierfs-test-", dir="/dev/shm"))  # this test's tiers only
+    try:
+        opt = ("-o", f"ram_dir={ram_dir}")
+        (tmp_path / "back2").mkdir()
+        (tmp_path / "back3").mkdir()
+        dirty = tiermount(ram="16MiB", extra=opt)  # dies with a file open for writing
+        clean = tiermount(ram="16MiB", extra=opt, backing=tmp_path / "back2", name="mnt2")
+        live = tiermount(ram="16MiB", extra=opt, backing=tmp_path / "back3", name="mnt3")
+        fd = os.open(dirty.mnt / "unsaved", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"u" * 1000)
+        (clean.mnt / "cached").write_bytes(b"c" * 100_000)
+        tierfs_cmd("flush", str(clean.mnt))
+        (clean.mnt / "cached").read_bytes()
+        dirty.kill9()
+        clean.kill9()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        mounts = {"dirty": dirty, "clean": clean, "live": live}
+        tiers = {k: ram_dir / "tierfs" / mount_id(str(m.mnt)) for k, m in mounts.items()}
+        assert all(p.is_dir() for p in tiers.values())
+
+        rc, found = doctor(None, "--ram-dir", str(ram_dir))
+        assert rc == 1
+        by = {k: found[f"tier {p.name}"] for k, p in tiers.items()}
+        [msg] = by["live"]
+        assert msg.startswith("ok") and f"in use by daemon {live.pid}" in msg
+        [msg] = by["clean"]
+        assert msg.startswith("PROBLEM") and "nothing to write back" in msg and "--free" in msg
+        [msg] = by["dirty"]
+        assert msg.startswith("PROBLEM") and "1 file(s) not yet written back (unsaved)" in msg
+        real = os.path.realpath
+        assert f"tierfs mount {real(tmp_path / 'back')} {real(dirty.mnt)}" in msg and "lost at reboot" in msg
+
+        rc, found = doctor(None, "--ram-dir", str(ram_dir), "--free")
+        assert rc == 1  # the file to write back is still there
+        assert not tiers["clean"].exists() and "removed" in found[f"tier {tiers['clean'].name}"][0]
+        assert not (tiers["dirty"] / "data").exists()  # its cached data: freed
+        assert len(list((tiers["dirty"] / "dirty").iterdir())) == 1
+        assert (tiers["live"] / "data").is_dir()  # a live daemon's tier: untouched
+
+        dirty.start()  # as told: mount it there again, then flush
+        tierfs_cmd("flush", str(dirty.mnt))
+        dirty.stop()
+        assert (tmp_path / "back" / "unsaved").read_bytes() == b"u" * 1000
+        rc, found = doctor(None, "--ram-dir", str(ram_dir))
+        assert rc == 0 and set(found) == {f"tier {tiers['live'].name}"}, found
+    finally:
+        shutil.rmtree(ram_dir, ignore_errors=True)
+
+
+def test_free_and_ram_dir_are_for_the_whole_machine_not_a_mount(tmp_path: Path) -> None:
+    r = tierfs_cmd("doctor", str(tmp_path), "--free", check=False)
+    assert r.returncode != 0 and "give no MOUNTPOINT" in r.stderr

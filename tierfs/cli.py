@@ -595,7 +595,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from tierfs import doctor
 
-    return doctor.run(args.mountpoint)
+    if args.mountpoint is not None and (args.free or args.ram_dir):
+        raise ConfigError("--free and --ram-dir check the RAM tiers of the whole machine: give no MOUNTPOINT")
+    return doctor.run(args.mountpoint, args.ram_dir, free=args.free)
 
 
 def cmd_install_helper(args: argparse.Namespace) -> int:
@@ -692,8 +694,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--print", action="store_true", help="print it (the default)")
     c.add_argument("--toml", action="store_true", help="print it as a TOML config file")
     c.set_defaults(func=cmd_config)
-    d = sub.add_parser("doctor", help="check a mount: alive, tiers, journal, readahead; explain each problem")
-    d.add_argument("mountpoint")
+    d = sub.add_parser("doctor", help="check a mount: alive, tiers, journal, readahead; explain each problem "
+                                      "(without MOUNTPOINT: RAM tiers no daemon holds)")
+    d.add_argument("mountpoint", nargs="?")
+    d.add_argument("--ram-dir", action="append",
+                   help="without MOUNTPOINT: look for RAM tiers under DIR/tierfs (default: /dev/shm and "
+                        "the ram_dir of each /etc/tierfs/*.toml)")
+    d.add_argument("--free", action="store_true",
+                   help="without MOUNTPOINT: remove what tiers no daemon holds keep for nothing (cached "
+                        "data; tiers with no file to write back); never a file not yet written back")
     d.set_defaults(func=cmd_doctor)
     i = sub.add_parser("install-helper", help="install the mount(8) helper, the tierfs command and the systemd unit")
     i.add_argument("--sbin-dir", default="/sbin", help="where mount(8) looks for helpers (/sbin)")

@@ -4,7 +4,11 @@ Each check gives a :class:`Finding`: ``ok``, ``note`` (worth knowing, nothing to
 ``problem`` (the mount is dead or degraded; the message says why and what to do). The command
 exits 1 if any check found a problem, else 0.
 
-Checks: the mount is a live tierfs mount (daemon alive and answering); who may use it; each
+Without a mountpoint (:func:`check_ram_tiers`): the RAM tiers of the whole machine, each held
+by a live daemon or left behind (by a crash, or an unmount without ``--flush``) with what it
+keeps and what to do.
+
+Checks of a mount: the mount is a live tierfs mount (daemon alive and answering); who may use it; each
 tier is within its capacity, its filesystem not full, and writable; the write-back journal is a
 sound database whose every dirty file has its data; the kernel readahead of the mount is what
 was configured; the backing store answers; write-back keeps its deadlines; the metrics endpoint
@@ -15,7 +19,9 @@ thread with a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -365,9 +371,172 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
     return out
 
 
-def run(mountpoint: str) -> int:
-    """Print the findings; 1 if any is a problem, else 0."""
-    findings = diagnose(mountpoint)
+def _lock_holders() -> dict[str, int] | None:
+    """``{"MAJ:MIN:INODE": pid}`` of every flock on the machine (``/proc/locks``, read without
+    taking any lock, so a mount starting meanwhile never fails on us); None if unreadable."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 27490 00:1a:1213336 0 EOF"; waiters are "1: -> FLOCK ..."
+        if len(parts) >= 6 and parts[1] == "FLOCK":
+            out[parts[5]] = int(parts[4])
+    return out
+
+
+def _held_by(tier: str, holders: dict[str, int] | None) -> int | None:
+    """The pid of the daemon holding the RAM tier directory ``tier`` (its ``lock`` file's
+    flock), 0 if held by a process we cannot name, None if none holds it."""
+    lock = os.path.join(tier, "lock")
+    try:
+        st = os.stat(lock, follow_symlinks=False)
+    except OSError:
+        return None  # no lock file: no daemon ever held it
+    if holders is not None:
+        return holders.get(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    try:  # no /proc/locks: a shared lock, dropped at once, fails while a daemon holds it
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0
+    finally:
+        os.close(fd)
+    return None
+
+
+def _bytes_used(path: str) -> int:
+    """Memory (or disk) the files under ``path`` take: allocated blocks, not apparent sizes."""
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
+
+
+def _unheld_tier(path: str) -> Finding:
+    """What a RAM tier directory no daemon holds keeps, and what to do about it."""
+    from tierfs.writeback.journal import summary
+
+    name = os.path.basename(path)
+    size = format_size(_bytes_used(path))
+    try:
+        j = summary(os.path.join(path, "journal.sqlite"))
+    except FileNotFoundError:
+        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it, and it keeps {size} of "
+                                                  "cached data: `tierfs doctor --free` removes it")
+    except OSError as e:
+        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it ({size}), and its journal "
+                                                  f"cannot be read ({e.strerror}): it may name files not "
+                                                  "written back; see docs/troubleshooting.md")
+    if not j.dirty and not j.quarantined:
+        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it, and it keeps {size} with "
+                                                  "nothing to write back: `tierfs doctor --free` removes it")
+    mnt = os.fsdecode(j.mountpoint) if j.mountpoint else None
+    backing = os.fsdecode(j.backing) if j.backing else None
+    what = []
+    if j.dirty:
+        some = ", ".join(os.fsdecode(p) for p in j.paths) + (", ..." if j.dirty > len(j.paths) else "")
+        what.append(f"{j.dirty} file(s) not yet written back ({some})")
+    if j.quarantined:
+        what.append(f"{j.quarantined} quarantined row(s)")
+    msg = f"{path} ({size}): no daemon holds it, and it keeps {' and '.join(what)}"
+    msg += f" of {backing}" if backing else " of a backing directory it does not name (an older tierfs)"
+    msg += f", mounted on {mnt}" if mnt else ""
+    msg += ". A RAM tier is lost at reboot. "
+    if backing and mnt and os.path.isdir(backing):
+        msg += (f"Mount it there again (`tierfs mount {backing} {mnt}` with the tier options it had) "
+                f"to write them back, then `tierfs umount --flush {mnt}`")
+    elif backing and not os.path.isdir(backing):
+        msg += (f"{backing} no longer exists: the data files are in {path}/dirty, named by the "
+                f"`id` of their row in {path}/journal.sqlite (`SELECT id, path FROM dirty`); copy out "
+                f"what you need, then remove {path}")
+    else:
+        msg += ("Mount the backing directory they belong to on the mountpoint it served, to write "
+                "them back (docs/troubleshooting.md, \"A RAM tier no daemon holds\")")
+    if j.quarantined:
+        msg += "; quarantined rows: docs/troubleshooting.md"
+    return Finding("problem", f"tier {name}", msg)
+
+
+def default_ram_dirs() -> list[str]:
+    """Where RAM tiers live: ``/dev/shm`` and the ``ram_dir`` of each ``/etc/tierfs/*.toml``
+    (the systemd unit's configs; one that cannot be read is skipped)."""
+    from tierfs.config import load_toml
+
+    dirs = ["/dev/shm"]
+    try:
+        names = sorted(os.listdir("/etc/tierfs"))
+    except OSError:
+        names = []
+    for n in names:
+        if n.endswith(".toml"):
+            try:
+                d = load_toml(os.path.join("/etc/tierfs", n)).get("ram_dir")
+            except Exception:  # noqa: BLE001 - a broken config is `tierfs config`'s to report
+                continue
+            if isinstance(d, str) and d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
+    """Every RAM tier directory under ``<ram_dir>/tierfs``: held by a live daemon (ok), or left
+    by one that died or was unmounted without ``--flush``, with what it keeps (a problem: RAM
+    it holds for nothing, or files a reboot loses). ``free``: remove what no daemon holds and
+    nothing needs (cached data; a tier with no file to write back), never a file not yet
+    written back."""
+    from tierfs.mount import RAM_PARENT, free_unheld_ram_tier
+
+    out: list[Finding] = []
+    holders = _lock_holders()
+    for ram_dir in ram_dirs:
+        parent = os.path.join(os.path.abspath(ram_dir), RAM_PARENT)
+        try:
+            names = sorted(os.listdir(parent))
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            out.append(Finding("note", "ram tiers", f"{parent}: another user's RAM tiers (private): run "
+                                                    "`tierfs doctor` as that user"))
+            continue
+        except OSError as e:
+            out.append(Finding("problem", "ram tiers", f"{parent}: {e.strerror}"))
+            continue
+        for name in names:
+            path = os.path.join(parent, name)
+            if not os.path.isdir(path) or os.path.islink(path):
+                continue
+            pid = _held_by(path, holders)
+            if pid is not None:
+                out.append(Finding("ok", f"tier {name}", f"{path}: in use by daemon "
+                                                         f"{pid or '(pid unknown)'}"))
+                continue
+            if free and free_unheld_ram_tier(path, whole=True):
+                if not os.path.exists(path):
+                    out.append(Finding("ok", f"tier {name}", f"{path}: removed (nothing to write back)"))
+                    continue
+                out.append(Finding("note", f"tier {name}", f"{path}: its cached data removed"))
+            out.append(_unheld_tier(path))
+    if not out:
+        out.append(Finding("ok", "ram tiers", f"none under {', '.join(ram_dirs)}"))
+    return out
+
+
+def run(mountpoint: str | None, ram_dirs: list[str] | None = None, free: bool = False) -> int:
+    """Print the findings (of the mount on ``mountpoint``; without one, of every RAM tier on
+    this machine); 1 if any is a problem, else 0."""
+    if mountpoint is None:
+        findings = check_ram_tiers(ram_dirs or default_ram_dirs(), free=free)
+    else:
+        findings = diagnose(mountpoint)
     width = max(len(f.check) for f in findings)
     for f in findings:
         print(f"{f.level.upper() if f.level == 'problem' else f.level:8} {f.check:{width}}  {f.message}")

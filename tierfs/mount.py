@@ -51,6 +51,7 @@ from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.transport import Session, start_session
 from tierfs.units import format_size
 from tierfs.writeback.journal import Journal
+from tierfs.writeback.journal import summary as journal_summary
 from tierfs.writeback.manager import WriteBack
 from tierfs_hints import wire
 
@@ -172,7 +173,15 @@ def free_dead_ram_tier(mountpoint: str, ram_dir: str = "/dev/shm") -> bool:
     daemon holds the tier or it has dirty files waiting for write-back (their journal is there;
     the next mount writes them back). A tier directory that is not private to us (a symlink,
     another user's) is never touched. Returns True if memory was freed."""
-    path = ram_tier_path(ram_dir, mountpoint)
+    return free_unheld_ram_tier(ram_tier_path(ram_dir, mountpoint), whole=False)
+
+
+def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
+    """Free the RAM tier directory ``path`` if no daemon holds it (its lock is taken for the
+    time, so no mount starts on it meanwhile): its cached data always; with ``whole``, the whole
+    directory too when its journal holds no file to write back and no quarantined row (``tierfs
+    doctor --free``). Files not yet written back are never removed, nor a journal that cannot
+    be read. A directory not private to us is never touched. Returns True if it freed anything."""
     if not os.path.isdir(path):
         return False
     try:
@@ -185,7 +194,16 @@ def free_dead_ram_tier(mountpoint: str, ram_dir: str = "/dev/shm") -> bool:
         os.close(fd)
         return False  # a live daemon uses it
     try:
-        remove_ram_tier(path, keep_dirty=True)
+        keep = True
+        if whole:
+            try:
+                held = journal_summary(os.path.join(path, "journal.sqlite"))
+                keep = bool(held.dirty or held.quarantined)
+            except FileNotFoundError:
+                keep = False
+            except OSError:
+                keep = True  # unreadable: it may name files not written back
+        remove_ram_tier(path, keep_dirty=keep)
     finally:
         os.close(lock)
         os.close(fd)
@@ -446,7 +464,9 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     journal = Journal(_private_db(tiers[wt], "journal.sqlite"), reserve_limit=tiers[wt].capacity // 16)
     # the write tier is named after the mountpoint: its files to write back must be this
     # backing directory's, never another's mounted here since (ForeignJournal, at once)
-    journal.claim(os.fsencode(await trio.to_thread.run_sync(os.path.realpath, plan.backing)))
+    real_backing, real_mountpoint = await trio.to_thread.run_sync(
+        lambda: (os.path.realpath(plan.backing), os.path.realpath(plan.mountpoint)))
+    journal.claim(os.fsencode(real_backing), os.fsencode(real_mountpoint))
     tiers[wt].set_aside(journal.reserved_bytes)
     writeback = WriteBack(
         backing_root=os.fsencode(plan.backing), tree=tree, tier=tiers[wt], tier_index=wt, device=devices[wt],

@@ -167,10 +167,11 @@ class Journal:
             except sqlite3.Error as e:
                 raise _os_error(e) from None
 
-    def claim(self, backing: bytes) -> None:
+    def claim(self, backing: bytes, mountpoint: bytes | None = None) -> None:
         """Record that this journal's files belong to the backing directory ``backing`` (a
         real path, bytes: any name the filesystem allows), before recovery writes any of them
-        back. Raises ForeignJournal if it holds dirty files of another backing directory: the
+        back, and the ``mountpoint`` they are written through (for :func:`summary`: which
+        mount writes back a write tier no daemon holds). Raises ForeignJournal if it holds dirty files of another backing directory: the
         write tier is named after the mountpoint, and another directory mounted there after a
         crash (or an unmount that left files to write back) would have had them written into
         it. A journal that names no
@@ -190,6 +191,8 @@ class Journal:
                             "another backing directory\")",
                             was, n)
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('backing', ?)", (backing,))
+                if mountpoint is not None:
+                    self._db.execute("INSERT OR REPLACE INTO meta VALUES ('mountpoint', ?)", (mountpoint,))
             except sqlite3.Error as e:
                 raise _os_error(e) from None
 
@@ -311,3 +314,39 @@ class Journal:
                 os.close(self._wal_fd)
                 self._wal_fd = -1
             self._db.close()
+
+
+@dataclass(frozen=True)
+class JournalSummary:
+    """What a journal holds, read without changing it (:func:`summary`)."""
+
+    dirty: int  # files not yet written back (rows naming a path)
+    quarantined: int  # rows recovery could not honour (their data, if any, kept)
+    backing: bytes | None  # the backing directory they belong to (None: not recorded)
+    mountpoint: bytes | None  # the mountpoint they were written through (None: not recorded)
+    paths: tuple[bytes, ...]  # the first ``listed`` paths of the dirty files, relative
+
+
+def summary(path: str, listed: int = 3) -> JournalSummary:
+    """Read the journal at ``path`` read-only (``tierfs doctor``: a write tier no daemon holds).
+    Raises OSError (EIO: not a journal, or damaged; ENOENT)."""
+    if not os.path.exists(path):
+        raise OSError(errno.ENOENT, "no journal", path)
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            meta = dict(db.execute("SELECT k, v FROM meta"))
+            (dirty,) = db.execute("SELECT COUNT(*) FROM dirty WHERE path IS NOT NULL").fetchone()
+            (quarantined,) = db.execute("SELECT COUNT(*) FROM quarantine").fetchone()
+            paths = tuple(bytes(r[0]) for r in db.execute(
+                "SELECT path FROM dirty WHERE path IS NOT NULL ORDER BY id LIMIT ?", (listed,)))
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise _os_error(e) from None
+
+    def blob(v: object) -> bytes | None:
+        return v if isinstance(v, bytes) else v.encode() if isinstance(v, str) else None
+
+    return JournalSummary(int(dirty), int(quarantined), blob(meta.get("backing")),
+                          blob(meta.get("mountpoint")), paths)
