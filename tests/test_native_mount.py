@@ -261,6 +261,32 @@ def test_small_resident_file_keeps_its_registration_between_opens(nm: Mount) -> 
     assert (nm.mnt / "b.jpg").read_bytes() == data2
 
 
+def test_the_fstat_right_after_an_open_is_answered_by_the_opens_own_fstat(nm: Mount) -> None:
+    """Python's open() fstat-s the new descriptor, and after a read passed through to the tier
+    file (which marks the atime stale in the kernel) that fstat is a GETATTR: the backing file's
+    fstat the OPEN took a moment before answers it, with no metadata call. Those attributes are
+    the file's: its size, and a change made through the mount in between is seen."""
+    data = write_random(nm.backing / "e.jpg", 150 * 1024)
+    make_resident(nm, "e.jpg", len(data))
+    before = nm.stats()["fuse"]
+    for _ in range(4):
+        with open(nm.mnt / "e.jpg", "rb") as f:
+            assert os.fstat(f.fileno()).st_size == len(data)
+            assert f.read() == data
+    after = nm.stats()["fuse"]
+    getattrs = after["requests"].get("getattr", 0) - before["requests"].get("getattr", 0)
+    assert getattrs >= 3  # the kernel asked (atime stale after each passed-through read)
+    assert after["getattrs_from_open"] - before["getattrs_from_open"] >= 3
+
+    # a chmod through the mount between the open and the fstat: the new mode
+    fd = os.open(nm.mnt / "e.jpg", os.O_RDONLY)
+    try:
+        os.chmod(nm.mnt / "e.jpg", 0o600)
+        assert os.fstat(fd).st_mode & 0o777 == 0o600
+    finally:
+        os.close(fd)
+
+
 def fcntl_accmode(fd: int) -> int:
     import fcntl
 
@@ -622,6 +648,21 @@ def test_writer_beside_backing_readers_writes_the_backing_file_in_place(bm: Moun
     assert (bm.mnt / "w").read_bytes() == want
     s = bm.stats()
     assert s["writeback"]["dirty_files"] == 0 and s["transport"]["passthrough_conflicts"] == 0
+
+
+def test_fstat_of_a_reader_after_a_writer_passing_through_shows_the_new_size(bm: Mount) -> None:
+    """The fstat an open took stands for the GETATTR right after it only while nothing can have
+    changed the file: a writer's open ends that (its writes pass through to the backing file,
+    no request tells the daemon)."""
+    data = write_random(bm.backing / "g", MiB)
+    fd = os.open(bm.mnt / "g", os.O_RDONLY)  # no fstat: the open's own stays unused
+    try:
+        with open(bm.mnt / "g", "r+b") as w:
+            w.seek(len(data))
+            w.write(b"tail")
+        assert os.fstat(fd).st_size == len(data) + 4
+    finally:
+        os.close(fd)
 
 
 def test_truncates_beside_backing_readers_reach_the_backing_file(bm: Mount) -> None:

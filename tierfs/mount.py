@@ -506,6 +506,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["fuse"]["requests"] = dict(ops.requests)  # by handler; flush counts its one ENOSYS
         doc["fuse"]["request_seconds"] = dict(ops.request_seconds)  # time in each handler
         doc["fuse"]["stale_opens"] = ops.stale_opens
+        doc["fuse"]["getattrs_from_open"] = ops.ns.opened_stats  # answered by the open's fstat
         doc["fuse"]["readdir_entries_held_max"] = ops.readdir_held_max
         # tier copies of small files kept leased after their last close, and opens that reused one
         doc["fuse"]["kept_passthrough"] = len(ops.kept_passthrough)

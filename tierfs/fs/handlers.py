@@ -111,6 +111,13 @@ def _in_group(ctx: RequestCtx, gid: int) -> bool:
 _SUIDGID = stat.S_ISUID | stat.S_ISGID
 
 
+# requests that change no file's attributes (an O_TRUNC open makes the file dirty first, and
+# a dirty file's attributes never come from a backing fstat): the fstat of an open stands for
+# its file's attributes across these only (Namespace.lstat)
+_CHANGES_NOTHING = frozenset({"getattr", "lookup", "open", "read", "readdir", "readlink", "getxattr",
+                              "listxattr", "statfs", "opendir", "flush", "release", "releasedir", "forget"})
+
+
 class _Op:
     """``with handlers._op(what)``: one request, timed into ``Handlers.request_seconds``, its
     errors mapped as :func:`fuse_errors` maps them (a class, not a generator: this runs for
@@ -256,6 +263,8 @@ class Handlers:
     def _op(self, what: str) -> _Op:
         """Count and time one ``what`` request; map its errors (:func:`fuse_errors`)."""
         self.requests[what] += 1
+        if what not in _CHANGES_NOTHING:
+            self.ns.forget_opened()
         return _Op(what, self.request_seconds)
 
     @property
@@ -529,6 +538,8 @@ class Handlers:
                 return self.control.open(inode, ctx, self.handles)
             entry = self.inodes.get(inode)
             writer = bool(flags & _WRITE_FLAGS)
+            if writer:  # its writes may pass through to a backing file, with no request
+                self.ns.forget_opened()
             if entry.path is None:
                 return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
             h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid,
@@ -579,7 +590,7 @@ class Handlers:
     async def _open_backing(self, entry: InodeEntry, h: FileHandle) -> OpenReply:
         """Open of a clean file: its backing file; the page cache is kept unless the backing
         file changed since the last open (then its cached chunks are dropped too)."""
-        bf = await self.ns.backing_file(self.inodes.rel(entry))
+        bf = await self.ns.backing_file(self.inodes.rel(entry), reader=not h.writer)
         i = bf.identity
         if entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns):
             if not entry.reval_sent:

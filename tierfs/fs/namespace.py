@@ -172,6 +172,11 @@ class Namespace:
         self.openings = Openings()  # shared with the prefetcher by the mount
         # path -> (trio time, lstat) of the last lookup, for the open that follows it
         self._looked_up: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
+        # path -> (trio time, fstat) of the last open of a clean file's backing file, for the
+        # GETATTR that follows it (see :meth:`lstat`); emptied by every request that may change
+        # a file (:meth:`forget_opened`)
+        self._opened: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
+        self.opened_stats = 0  # GETATTRs answered from the fstat of the open just before
         self.shared_opens = 0  # opens served by a backing file already open (no open(2))
         self._dirty_locks: dict[int, trio.Lock] = {}
         writeback.on_clean = self.on_clean
@@ -244,12 +249,30 @@ class Namespace:
             return int(entry.orphan.fd)
         return backing
 
+    def forget_opened(self) -> None:
+        """A request that may change a file's attributes (through tierfs) is being served: the
+        fstats of opens just before it no longer stand for the file (:meth:`lstat`)."""
+        if self._opened:
+            self._opened.clear()
+
     async def lstat(self, entry: InodeEntry) -> os.stat_result:
         if entry.path is None:  # unlinked but open: its descriptor knows
             fd = self.held_fd(entry)
             if fd is None:
                 raise FileNotFoundError(2, "unlinked")
             return os.fstat(fd)
+        if self._opened:
+            # A program's open(2) is followed at once by an fstat (Python's open() does one,
+            # as does stdio's buffering), and the kernel sends that fstat as a GETATTR whenever
+            # a read passed through to the tier file marked the atime stale (every file of an
+            # epoch after the first: fs/fuse/passthrough.c invalidates atime on each read).
+            # The open fstat-ed the backing file microseconds ago: as fresh as an lstat now,
+            # at no metadata call (a third of that GETATTR's time in the daemon).
+            seen = self._opened.pop(entry.path, None)
+            if (seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S
+                    and (seen[1].st_dev, seen[1].st_ino) == entry.dev_ino):
+                self.opened_stats += 1
+                return seen[1]
         try:
             st = await self.meta.run(lstat_or_none, self.tree, entry.path)
         except OSError as e:
@@ -680,9 +703,10 @@ class Namespace:
         return None
 
     # -- open backing files ----------------------------------------------------------------
-    async def backing_file(self, rel: bytes) -> BackingFile:
+    async def backing_file(self, rel: bytes, *, reader: bool = False) -> BackingFile:
         """The open backing file at ``rel`` (shared by every open of one identity), with one
-        more open counted; give it back with :meth:`release_backing`."""
+        more open counted; give it back with :meth:`release_backing`. ``reader``: for an open
+        that cannot write, whose fstat then answers the GETATTR right after it (:meth:`lstat`)."""
         await self.openings.wait(rel)  # a prefetch opening it: share what it opens
         shared = await self._shared_open(rel)
         if shared is not None:
@@ -698,6 +722,11 @@ class Namespace:
             fd, st = await self.meta.run(open_backing, self.tree, rel)
         finally:
             self.openings.end(rel, opening)
+        if reader:
+            self._opened[rel] = (trio.current_time(), st)
+            self._opened.move_to_end(rel)
+            if len(self._opened) > LOOKED_UP_MAX:
+                self._opened.popitem(last=False)
         return self._share_open(rel, st, fd)
 
     def _share_open(self, rel: bytes, st: os.stat_result, fd: int) -> BackingFile:
