@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -193,6 +194,13 @@ def test_ram_tiers_no_daemon_holds_are_named_with_what_to_do_and_freed(tiermount
         real = os.path.realpath
         assert f"tierfs mount {real(tmp_path / 'back')} {real(dirty.mnt)}" in msg and "lost at reboot" in msg
 
+        # a mount tells of them too (nothing else would)
+        (tmp_path / "back4").mkdir()
+        (tmp_path / "mnt4").mkdir()
+        r = tierfs_cmd("mount", str(tmp_path / "back4"), str(tmp_path / "mnt4"), "--ram", "16MiB", *opt)
+        tierfs_cmd("umount", str(tmp_path / "mnt4"))
+        assert "note: 2 RAM tier(s) under" in r.stdout and "tierfs doctor" in r.stdout, r.stdout
+
         rc, found = doctor(None, "--ram-dir", str(ram_dir), "--free")
         assert rc == 1  # the file to write back is still there
         assert not tiers["clean"].exists() and "removed" in found[f"tier {tiers['clean'].name}"][0]
@@ -207,6 +215,8 @@ def test_ram_tiers_no_daemon_holds_are_named_with_what_to_do_and_freed(tiermount
         rc, found = doctor(None, "--ram-dir", str(ram_dir))
         assert rc == 0 and set(found) == {f"tier {tiers['live'].name}"}, found
     finally:
+        if (tmp_path / "mnt4").is_dir() and os.path.ismount(tmp_path / "mnt4"):
+            subprocess.run(["fusermount3", "-u", "-z", str(tmp_path / "mnt4")], capture_output=True)
         shutil.rmtree(ram_dir, ignore_errors=True)
 
 

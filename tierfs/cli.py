@@ -94,6 +94,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         where = cfg.log_file if logevents.is_syslog(cfg.log_file) else log_path
         print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (pid {proc.pid}, log {where}); "
               f"usable by {who_can_use(mount_mod.mount_options(plan.mountpoint))}")
+        _note_unheld_ram_tiers(cfg.ram_dir)
         return 0
     if text.startswith("error:"):
         print(f"tierfs: {text[6:].strip()}", file=sys.stderr)
@@ -102,6 +103,22 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if proc.poll() is None:
         proc.terminate()
     return 1
+
+
+def _note_unheld_ram_tiers(ram_dir: str) -> None:
+    """After a mount: say so if RAM tiers of other mountpoints were left behind (by a crash, or
+    an unmount without ``--flush``): they hold memory, and maybe files a reboot loses, and
+    nothing else would tell (``tierfs doctor`` does, if anyone runs it)."""
+    from tierfs import mount as mount_mod
+
+    try:
+        left = mount_mod.unheld_ram_tiers(ram_dir)
+    except OSError:
+        return
+    if left:
+        print(f"tierfs: note: {len(left)} RAM tier(s) under {os.path.dirname(left[0])} are held by no "
+              "daemon (left by a crash or an unmount without --flush; they keep memory, maybe files "
+              "not yet written back): `tierfs doctor` says what each keeps and what to do")
 
 
 def _run_daemon(plan: Any, ready_fd: int | None) -> int:

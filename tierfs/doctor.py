@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -371,46 +370,6 @@ def diagnose(mountpoint: str, timeout: float = TIMEOUT_S) -> list[Finding]:
     return out
 
 
-def _lock_holders() -> dict[str, int] | None:
-    """``{"MAJ:MIN:INODE": pid}`` of every flock on the machine (``/proc/locks``, read without
-    taking any lock, so a mount starting meanwhile never fails on us); None if unreadable."""
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    out: dict[str, int] = {}
-    for line in lines:
-        parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 27490 00:1a:1213336 0 EOF"; waiters are "1: -> FLOCK ..."
-        if len(parts) >= 6 and parts[1] == "FLOCK":
-            out[parts[5]] = int(parts[4])
-    return out
-
-
-def _held_by(tier: str, holders: dict[str, int] | None) -> int | None:
-    """The pid of the daemon holding the RAM tier directory ``tier`` (its ``lock`` file's
-    flock), 0 if held by a process we cannot name, None if none holds it."""
-    lock = os.path.join(tier, "lock")
-    try:
-        st = os.stat(lock, follow_symlinks=False)
-    except OSError:
-        return None  # no lock file: no daemon ever held it
-    if holders is not None:
-        return holders.get(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
-    try:  # no /proc/locks: a shared lock, dropped at once, fails while a daemon holds it
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0
-    finally:
-        os.close(fd)
-    return None
-
-
 def _bytes_used(path: str) -> int:
     """Memory (or disk) the files under ``path`` take: allocated blocks, not apparent sizes."""
     total = 0
@@ -496,7 +455,7 @@ def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
     from tierfs.mount import RAM_PARENT, free_unheld_ram_tier
 
     out: list[Finding] = []
-    holders = _lock_holders()
+    holders = private.flock_holders()
     for ram_dir in ram_dirs:
         parent = os.path.join(os.path.abspath(ram_dir), RAM_PARENT)
         try:
@@ -514,7 +473,7 @@ def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
             path = os.path.join(parent, name)
             if not os.path.isdir(path) or os.path.islink(path):
                 continue
-            pid = _held_by(path, holders)
+            pid = private.lock_holder(path, holders)
             if pid is not None:
                 out.append(Finding("ok", f"tier {name}", f"{path}: in use by daemon "
                                                          f"{pid or '(pid unknown)'}"))

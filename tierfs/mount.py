@@ -210,6 +210,22 @@ def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
     return True
 
 
+def unheld_ram_tiers(ram_dir: str) -> list[str]:
+    """The RAM tier directories under ``<ram_dir>/tierfs`` that no daemon holds: left by a
+    daemon that died, or unmounted without ``--flush`` with files still to write back. They
+    keep memory, and maybe files a reboot loses, until their mountpoint is mounted again
+    (``tierfs doctor`` says what each keeps). Raises OSError (the directory cannot be listed;
+    ENOENT: no RAM tier at all)."""
+    parent = os.path.join(os.path.abspath(ram_dir), RAM_PARENT)
+    holders = private.flock_holders()
+    out = []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path) and private.lock_holder(path, holders) is None:
+            out.append(path)
+    return out
+
+
 def check_mountpoint(mountpoint: str) -> None:
     """Raises MountError unless ``mountpoint`` is an empty directory nothing is mounted on.
     A dead FUSE mount ("Transport endpoint is not connected") is cleaned up first."""
@@ -623,6 +639,14 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                      " with kernel passthrough" if session.passthrough else "", session.why,
                      "; misses read straight from the backing store" if ops.backing_passthrough
                      and session.passthrough else "")
+            try:
+                left = await trio.to_thread.run_sync(unheld_ram_tiers, cfg.ram_dir)
+            except OSError:
+                left = []
+            if left:
+                log.warning("%d RAM tier(s) under %s are held by no daemon (left by a crash or an "
+                            "unmount without --flush): `tierfs doctor` says what each keeps", len(left),
+                            os.path.dirname(left[0]))
             ready(None)
         unmounted_cleanly = True
     finally:

@@ -312,6 +312,49 @@ def lock(dir_fd: int, path: str) -> int:
     return fd
 
 
+def flock_holders() -> dict[str, int] | None:
+    """``{"MAJ:MIN:INODE": pid}`` of every flock on the machine (``/proc/locks``), read without
+    taking any lock, so a mount starting meanwhile is never refused because of the reader;
+    None if unreadable."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 27490 00:1a:1213336 0 EOF"; waiters are "1: -> FLOCK ..."
+        if len(parts) >= 6 and parts[1] == "FLOCK":
+            out[parts[5]] = int(parts[4])
+    return out
+
+
+def lock_holder(dir_path: str, holders: dict[str, int] | None) -> int | None:
+    """The pid of the daemon holding the tier or state directory ``dir_path`` (the flock of its
+    ``lock`` file, :func:`lock`), 0 if it is held by a process that cannot be named, None if
+    nothing holds it. ``holders``: :func:`flock_holders` (None: probe with a shared lock that is
+    dropped at once)."""
+    lock_path = os.path.join(dir_path, "lock")
+    try:
+        st = os.stat(lock_path, follow_symlinks=False)
+    except OSError:
+        return None  # no lock file: no daemon ever held it
+    if holders is not None:
+        return holders.get(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0
+    finally:
+        os.close(fd)
+    return None
+
+
 def fd_path(dir_fd: int, name: str = "") -> str:
     """``/proc/self/fd/N[/name]``: a path that names exactly what ``dir_fd`` holds, for APIs
     that only take paths (sqlite, ``os.stat``). Valid while the descriptor is open."""
