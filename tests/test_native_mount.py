@@ -663,6 +663,15 @@ def test_fstat_of_a_reader_after_a_writer_passing_through_shows_the_new_size(bm:
         assert os.fstat(fd).st_size == len(data) + 4
     finally:
         os.close(fd)
+    # the writer first, then a reader: its open's fstat cannot stand for the writes after it
+    with open(bm.mnt / "g", "r+b", buffering=0) as w:
+        fd = os.open(bm.mnt / "g", os.O_RDONLY)
+        try:
+            w.seek(len(data) + 4)
+            w.write(b"more")
+            assert os.fstat(fd).st_size == len(data) + 8
+        finally:
+            os.close(fd)
 
 
 def test_truncates_beside_backing_readers_reach_the_backing_file(bm: Mount) -> None:

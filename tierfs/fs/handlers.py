@@ -590,7 +590,11 @@ class Handlers:
     async def _open_backing(self, entry: InodeEntry, h: FileHandle) -> OpenReply:
         """Open of a clean file: its backing file; the page cache is kept unless the backing
         file changed since the last open (then its cached chunks are dropped too)."""
-        bf = await self.ns.backing_file(self.inodes.rel(entry), reader=not h.writer)
+        # its fstat answers the GETATTR right after (Namespace.lstat) unless a writer may
+        # change the file with no request: one open already passing through, in place
+        tp = self.tier_passthrough.get(entry.inode)
+        bf = await self.ns.backing_file(self.inodes.rel(entry),
+                                        reader=not h.writer and (tp is None or tp.handles <= 0))
         i = bf.identity
         if entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns):
             if not entry.reval_sent:
