@@ -663,15 +663,22 @@ def test_fstat_of_a_reader_after_a_writer_passing_through_shows_the_new_size(bm:
         assert os.fstat(fd).st_size == len(data) + 4
     finally:
         os.close(fd)
-    # the writer first, then a reader: its open's fstat cannot stand for the writes after it
-    with open(bm.mnt / "g", "r+b", buffering=0) as w:
-        fd = os.open(bm.mnt / "g", os.O_RDONLY)
+    # a writer already open: a reader's open (a fresh open(2) of the grown backing file) cannot
+    # stand for the writes after it, which pass through with no request
+    n = len(data) + 4
+    r1 = os.open(bm.mnt / "g", os.O_RDONLY)  # passes through to the backing file
+    w = os.open(bm.mnt / "g", os.O_WRONLY)  # shares it, writable
+    try:
+        os.pwrite(w, b"b" * 4096, n)
+        r2 = os.open(bm.mnt / "g", os.O_RDONLY)
         try:
-            w.seek(len(data) + 4)
-            w.write(b"more")
-            assert os.fstat(fd).st_size == len(data) + 8
+            os.pwrite(w, b"c" * 4096, n + 4096)
+            assert os.fstat(r2).st_size == n + 8192
         finally:
-            os.close(fd)
+            os.close(r2)
+    finally:
+        os.close(w)
+        os.close(r1)
 
 
 def test_truncates_beside_backing_readers_reach_the_backing_file(bm: Mount) -> None:

@@ -111,11 +111,14 @@ def _in_group(ctx: RequestCtx, gid: int) -> bool:
 _SUIDGID = stat.S_ISUID | stat.S_ISGID
 
 
-# requests that change no file's attributes (an O_TRUNC open makes the file dirty first, and
-# a dirty file's attributes never come from a backing fstat): the fstat of an open stands for
-# its file's attributes across these only (Namespace.lstat)
+# requests that change no file's attributes (an open counts as one only when it neither writes
+# nor truncates: Handlers.open): the fstat of an open stands for its file's attributes across
+# these only (Namespace.lstat)
+# (an fsync changes no attributes a backing fstat could show: a dirty file's come from its
+# data file, and a write-back that replaces the backing file changes its inode, which lstat checks)
 _CHANGES_NOTHING = frozenset({"getattr", "lookup", "open", "read", "readdir", "readlink", "getxattr",
-                              "listxattr", "statfs", "opendir", "flush", "release", "releasedir", "forget"})
+                              "listxattr", "statfs", "opendir", "flush", "fsync", "fsyncdir", "release",
+                              "releasedir", "forget"})
 
 
 class _Op:
@@ -123,11 +126,12 @@ class _Op:
     errors mapped as :func:`fuse_errors` maps them (a class, not a generator: this runs for
     every request)."""
 
-    __slots__ = ("seconds", "t0", "what")
+    __slots__ = ("ns", "seconds", "t0", "what")
 
-    def __init__(self, what: str, seconds: collections.defaultdict[str, float]) -> None:
+    def __init__(self, what: str, seconds: collections.defaultdict[str, float], ns: Namespace | None) -> None:
         self.what = what
         self.seconds = seconds
+        self.ns = ns  # the namespace told of a request that may change a file (end_change at exit)
         self.t0 = 0.0
 
     def __enter__(self) -> None:
@@ -135,6 +139,8 @@ class _Op:
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
         self.seconds[self.what] += time.perf_counter() - self.t0
+        if self.ns is not None:
+            self.ns.end_change()
         if e is None or isinstance(e, (FuseError, trio.Cancelled)) or not isinstance(e, Exception):
             return
         with fuse_errors(self.what):
@@ -260,12 +266,18 @@ class Handlers:
         # request's cost (docs/benchmarks.md, "Where a small-file read's time goes")
         self.request_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
 
-    def _op(self, what: str) -> _Op:
-        """Count and time one ``what`` request; map its errors (:func:`fuse_errors`)."""
+    def _op(self, what: str, changes: bool | None = None) -> _Op:
+        """Count and time one ``what`` request; map its errors (:func:`fuse_errors`).
+        ``changes``: whether it may change a file's attributes (default: unless ``what`` is in
+        :data:`_CHANGES_NOTHING`); such a request is announced to the namespace for its
+        duration (:meth:`Namespace.begin_change`)."""
         self.requests[what] += 1
-        if what not in _CHANGES_NOTHING:
-            self.ns.forget_opened()
-        return _Op(what, self.request_seconds)
+        if changes is None:
+            changes = what not in _CHANGES_NOTHING
+        if changes:
+            self.ns.begin_change()
+            return _Op(what, self.request_seconds, self.ns)
+        return _Op(what, self.request_seconds, None)
 
     @property
     def nursery(self) -> trio.Nursery | None:
@@ -533,13 +545,13 @@ class Handlers:
     async def open(self, inode: int, flags: int, ctx: RequestCtx, kill_suidgid: bool = False) -> OpenReply:
         """Open ``inode`` with open(2) ``flags``. ``kill_suidgid``: an ``O_TRUNC`` open by a
         caller without CAP_FSETID, which drops set-user-ID and set-group-ID (:meth:`_kill_suidgid`)."""
-        with self._op("open"):
+        writer = bool(flags & _WRITE_FLAGS)
+        # a writer's writes may pass through to a backing file with no request; a truncate
+        # may be done in place (backing_in_place)
+        with self._op("open", changes=writer or bool(flags & os.O_TRUNC)):
             if inode in self.control.by_inode:
                 return self.control.open(inode, ctx, self.handles)
             entry = self.inodes.get(inode)
-            writer = bool(flags & _WRITE_FLAGS)
-            if writer:  # its writes may pass through to a backing file, with no request
-                self.ns.forget_opened()
             if entry.path is None:
                 return self._open_unlinked(entry, writer or bool(flags & os.O_TRUNC))
             h = FileHandle(inode, writer=writer, append=bool(flags & os.O_APPEND), pid=ctx.pid,

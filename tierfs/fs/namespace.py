@@ -174,9 +174,13 @@ class Namespace:
         self._looked_up: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
         # path -> (trio time, fstat) of the last open of a clean file's backing file, for the
         # GETATTR that follows it (see :meth:`lstat`); emptied by every request that may change
-        # a file (:meth:`forget_opened`)
+        # a file (:meth:`begin_change`)
         self._opened: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
         self.opened_stats = 0  # GETATTRs answered from the fstat of the open just before
+        # requests that may change a file, in flight; bumped at each one's start and end: an
+        # open whose fstat may have raced one keeps nothing (backing_file)
+        self._changing = 0
+        self._change_gen = 0
         self.shared_opens = 0  # opens served by a backing file already open (no open(2))
         self._dirty_locks: dict[int, trio.Lock] = {}
         writeback.on_clean = self.on_clean
@@ -249,9 +253,18 @@ class Namespace:
             return int(entry.orphan.fd)
         return backing
 
-    def forget_opened(self) -> None:
-        """A request that may change a file's attributes (through tierfs) is being served: the
-        fstats of opens just before it no longer stand for the file (:meth:`lstat`)."""
+    def begin_change(self) -> None:
+        """A request that may change a file's attributes (through tierfs) starts: the fstats of
+        opens before it no longer stand for their files (:meth:`lstat`), nor those of opens
+        until it ends. Pair with :meth:`end_change`."""
+        self._changing += 1
+        self._change_gen += 1
+        if self._opened:
+            self._opened.clear()
+
+    def end_change(self) -> None:
+        self._changing -= 1
+        self._change_gen += 1
         if self._opened:
             self._opened.clear()
 
@@ -718,11 +731,12 @@ class Namespace:
             self.shared_opens += 1
             return shared
         opening = self.openings.begin(rel)
+        gen = self._change_gen
         try:
             fd, st = await self.meta.run(open_backing, self.tree, rel)
         finally:
             self.openings.end(rel, opening)
-        if reader:
+        if reader and self._changing == 0 and self._change_gen == gen:  # raced no change
             self._opened[rel] = (trio.current_time(), st)
             self._opened.move_to_end(rel)
             if len(self._opened) > LOOKED_UP_MAX:
