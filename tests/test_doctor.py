@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import needs_fuse, tierfs_cmd, write_random
+from tests.conftest import REPO, needs_fuse, tierfs_cmd, write_random
 from tierfs.mount import mount_id
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
@@ -192,7 +193,9 @@ def test_ram_tiers_no_daemon_holds_are_named_with_what_to_do_and_freed(tiermount
         [msg] = by["dirty"]
         assert msg.startswith("PROBLEM") and "1 file(s) not yet written back (unsaved)" in msg
         real = os.path.realpath
-        assert f"tierfs mount {real(tmp_path / 'back')} {real(dirty.mnt)}" in msg and "lost at reboot" in msg
+        # the command names the ram_dir the tier is under (it is found again only there)
+        assert f"tierfs mount -o ram_dir={ram_dir} {real(tmp_path / 'back')} {real(dirty.mnt)}" in msg
+        assert "lost at reboot" in msg
 
         # a mount tells of them too (nothing else would)
         (tmp_path / "back4").mkdir()
@@ -223,3 +226,44 @@ def test_ram_tiers_no_daemon_holds_are_named_with_what_to_do_and_freed(tiermount
 def test_free_and_ram_dir_are_for_the_whole_machine_not_a_mount(tmp_path: Path) -> None:
     r = tierfs_cmd("doctor", str(tmp_path), "--free", check=False)
     assert r.returncode != 0 and "give no MOUNTPOINT" in r.stderr
+
+
+def test_tiers_doctor_cannot_vouch_for_are_never_freed(tmp_path: Path) -> None:
+    """Made by hand, no mount: a tier with data files but no journal (their names are lost:
+    kept, reported), one owned by another user (never touched, a note), and root's tiers seen
+    by another user: a note, never a verdict on what it cannot read."""
+    ram_dir = Path(tempfile.mkdtemp(prefix="tierfs-test-", dir="/dev/shm"))
+    try:
+        ram_dir.chmod(0o755)
+        parent = ram_dir / "tierfs"
+        parent.mkdir()
+        parent.chmod(0o755)  # readable by others (as an older tierfs left it)
+        nojournal = parent / "aaaaaaaaaaaa"
+        (nojournal / "dirty").mkdir(parents=True)
+        (nojournal / "data" / "ab").mkdir(parents=True)
+        (nojournal / "dirty" / "1").write_bytes(b"unsaved")
+        (nojournal / "data" / "ab" / "abcd").write_bytes(b"cached")
+        (nojournal / "lock").touch()
+        nojournal.chmod(0o700)
+        foreign = parent / "bbbbbbbbbbbb"
+        foreign.mkdir()
+        os.chown(foreign, 65534, 65534)
+
+        rc, found = doctor(None, "--ram-dir", str(ram_dir), "--free")
+        assert rc == 1
+        [note, msg] = found[f"tier {nojournal.name}"]
+        assert note.startswith("note") and "cached data removed" in note
+        assert msg.startswith("PROBLEM") and "no journal" in msg and "1 data file(s)" in msg
+        assert (nojournal / "dirty" / "1").read_bytes() == b"unsaved" and not (nojournal / "data").exists()
+        [msg] = found[f"tier {foreign.name}"]
+        assert msg.startswith("note") and "owned by uid 65534" in msg and foreign.is_dir()
+
+        parent.chmod(0o755)  # (--free tightened it, as any mount does)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                            "-m", "tierfs", "doctor", "--ram-dir", str(ram_dir)],
+                           capture_output=True, text=True, timeout=60, cwd=REPO)
+        # root's tier, to another user: named as another user's, no verdict on it
+        assert f"{nojournal}: owned by uid 0" in r.stdout, r.stdout + r.stderr
+        assert f"{nojournal}: no daemon holds it" not in r.stdout
+    finally:
+        shutil.rmtree(ram_dir, ignore_errors=True)

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -380,24 +381,42 @@ def _bytes_used(path: str) -> int:
     return total
 
 
+_SECTION = "docs/troubleshooting.md, \"A RAM tier no daemon holds\""
+
+
+def _entries(path: str) -> int:
+    """How many entries directory ``path`` has (0 if it is missing or unreadable)."""
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return 0
+
+
 def _unheld_tier(path: str) -> Finding:
     """What a RAM tier directory no daemon holds keeps, and what to do about it."""
     from tierfs.writeback.journal import summary
 
     name = os.path.basename(path)
+    check = f"tier {name}"
     size = format_size(_bytes_used(path))
     try:
         j = summary(os.path.join(path, "journal.sqlite"))
     except FileNotFoundError:
-        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it, and it keeps {size} of "
-                                                  "cached data: `tierfs doctor --free` removes it")
+        orphans = _entries(os.path.join(path, "dirty")) + _entries(os.path.join(path, "quarantine"))
+        if orphans:
+            return Finding("problem", check, f"{path} ({size}): no daemon holds it, it has no journal, "
+                                             f"and it keeps {orphans} data file(s) in dirty/ or quarantine/ "
+                                             "whose names no journal says: look inside before you remove "
+                                             f"it by hand ({_SECTION}); `tierfs doctor --free` keeps them")
+        return Finding("problem", check, f"{path}: no daemon holds it, and it keeps {size} of "
+                                         "cached data: `tierfs doctor --free` removes it")
     except OSError as e:
-        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it ({size}), and its journal "
-                                                  f"cannot be read ({e.strerror}): it may name files not "
-                                                  "written back; see docs/troubleshooting.md")
+        return Finding("problem", check, f"{path} ({size}): no daemon holds it, and its journal "
+                                         f"cannot be read ({e.strerror}): it may name files not "
+                                         f"written back ({_SECTION})")
     if not j.dirty and not j.quarantined:
-        return Finding("problem", f"tier {name}", f"{path}: no daemon holds it, and it keeps {size} with "
-                                                  "nothing to write back: `tierfs doctor --free` removes it")
+        return Finding("problem", check, f"{path}: no daemon holds it, and it keeps {size} with "
+                                         "nothing to write back: `tierfs doctor --free` removes it")
     mnt = os.fsdecode(j.mountpoint) if j.mountpoint else None
     backing = os.fsdecode(j.backing) if j.backing else None
     what = []
@@ -411,18 +430,22 @@ def _unheld_tier(path: str) -> Finding:
     msg += f", mounted on {mnt}" if mnt else ""
     msg += ". A RAM tier is lost at reboot. "
     if backing and mnt and os.path.isdir(backing):
-        msg += (f"Mount it there again (`tierfs mount {backing} {mnt}` with the tier options it had) "
-                f"to write them back, then `tierfs umount --flush {mnt}`")
+        # the tier is found again only under the same ram_dir
+        ram_dir = os.path.dirname(os.path.dirname(path))
+        opt = "" if ram_dir == "/dev/shm" else f" -o ram_dir={ram_dir}"
+        msg += (f"Mount it there again (`tierfs mount{opt} {backing} {mnt}`, with the other tier "
+                f"options it had): the mount writes them back; `tierfs umount --flush {mnt}` then "
+                "waits until all are")
     elif backing and not os.path.isdir(backing):
         msg += (f"{backing} no longer exists: the data files are in {path}/dirty, named by the "
                 f"`id` of their row in {path}/journal.sqlite (`SELECT id, path FROM dirty`); copy out "
                 f"what you need, then remove {path}")
     else:
         msg += ("Mount the backing directory they belong to on the mountpoint it served, to write "
-                "them back (docs/troubleshooting.md, \"A RAM tier no daemon holds\")")
+                f"them back ({_SECTION})")
     if j.quarantined:
-        msg += "; quarantined rows: docs/troubleshooting.md"
-    return Finding("problem", f"tier {name}", msg)
+        msg += "; quarantined rows: docs/writes.md"
+    return Finding("problem", check, msg)
 
 
 def default_ram_dirs() -> list[str]:
@@ -456,7 +479,7 @@ def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
 
     out: list[Finding] = []
     holders = private.flock_holders()
-    for ram_dir in ram_dirs:
+    for ram_dir in dict.fromkeys(os.path.abspath(d) for d in ram_dirs):  # each once, in order
         parent = os.path.join(os.path.abspath(ram_dir), RAM_PARENT)
         try:
             names = sorted(os.listdir(parent))
@@ -471,18 +494,35 @@ def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
             continue
         for name in names:
             path = os.path.join(parent, name)
-            if not os.path.isdir(path) or os.path.islink(path):
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == private.euid():
+                    os.stat(os.path.join(path, "lock"), follow_symlinks=False)
+            except FileNotFoundError:
+                pass  # gone meanwhile, or no lock file: no daemon ever held it
+            except PermissionError:
+                out.append(Finding("note", f"tier {name}", f"{path}: not readable by this user: run "
+                                                           "`tierfs doctor` as the user who mounted it"))
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if st.st_uid != private.euid():
+                out.append(Finding("note", f"tier {name}", f"{path}: owned by uid {st.st_uid}, not by this "
+                                                           "user: tierfs never touches it; check whose it is"))
                 continue
             pid = private.lock_holder(path, holders)
             if pid is not None:
                 out.append(Finding("ok", f"tier {name}", f"{path}: in use by daemon "
                                                          f"{pid or '(pid unknown)'}"))
                 continue
-            if free and free_unheld_ram_tier(path, whole=True):
-                if not os.path.exists(path):
-                    out.append(Finding("ok", f"tier {name}", f"{path}: removed (nothing to write back)"))
-                    continue
-                out.append(Finding("note", f"tier {name}", f"{path}: its cached data removed"))
+            if free:
+                had_data = _entries(os.path.join(path, "data")) > 0
+                if free_unheld_ram_tier(path, whole=True):
+                    if not os.path.exists(path):
+                        out.append(Finding("ok", f"tier {name}", f"{path}: removed (nothing to write back)"))
+                        continue
+                    if had_data:
+                        out.append(Finding("note", f"tier {name}", f"{path}: its cached data removed"))
             out.append(_unheld_tier(path))
     if not out:
         out.append(Finding("ok", "ram tiers", f"none under {', '.join(ram_dirs)}"))

@@ -119,11 +119,12 @@ def ram_tier_path(ram_dir: str, mountpoint: str) -> str:
 
 
 def remove_ram_tier(path: str, *, keep_dirty: bool) -> None:
-    """Free a RAM tier's memory: its cached data, and (unless ``keep_dirty`` and a journal is
-    there) the whole tier directory, then ``<ram_dir>/tierfs`` if no other mount uses it.
+    """Free a RAM tier's memory: its cached data, and (unless ``keep_dirty`` and a journal, or
+    data files in ``dirty/`` or ``quarantine/``, are there) the whole tier directory, then ``<ram_dir>/tierfs`` if no other mount uses it.
     Everything is removed relative to verified descriptors, never through a redirected path."""
     private.remove_dir(path, "data")
-    if keep_dirty and os.path.exists(os.path.join(path, "journal.sqlite")):
+    if keep_dirty and (os.path.exists(os.path.join(path, "journal.sqlite"))
+                       or any(_has_entries(os.path.join(path, d)) for d in ("dirty", "quarantine"))):
         return
     parent = os.path.dirname(path)
     private.remove_dir(parent, os.path.basename(path))
@@ -200,7 +201,9 @@ def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
                 held = journal_summary(os.path.join(path, "journal.sqlite"))
                 keep = bool(held.dirty or held.quarantined)
             except FileNotFoundError:
-                keep = False
+                # no journal: data files left in dirty/ or quarantine/ are someone's bytes
+                # whose names are lost; never removed here (remove_ram_tier keeps them)
+                keep = True
             except OSError:
                 keep = True  # unreadable: it may name files not written back
         remove_ram_tier(path, keep_dirty=keep)
@@ -208,6 +211,14 @@ def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
         os.close(lock)
         os.close(fd)
     return True
+
+
+def _has_entries(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is not None
+    except FileNotFoundError:
+        return False
 
 
 def unheld_ram_tiers(ram_dir: str) -> list[str]:

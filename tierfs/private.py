@@ -308,7 +308,8 @@ def lock(dir_fd: int, path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise MountError(f"tier directory {path} is in use by another tierfs daemon") from None
+        raise MountError(f"tier directory {path} is in use by another tierfs daemon (or being freed by "
+                         "`tierfs doctor --free`: try again)") from None
     return fd
 
 
