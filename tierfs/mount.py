@@ -120,8 +120,9 @@ def ram_tier_path(ram_dir: str, mountpoint: str) -> str:
 
 def remove_ram_tier(path: str, *, keep_dirty: bool) -> None:
     """Free a RAM tier's memory: its cached data, and (unless ``keep_dirty`` and a journal, or
-    data files in ``dirty/`` or ``quarantine/``, are there) the whole tier directory, then ``<ram_dir>/tierfs`` if no other mount uses it.
-    Everything is removed relative to verified descriptors, never through a redirected path."""
+    data files in ``dirty/`` or ``quarantine/``, are there) the whole tier directory, then
+    ``<ram_dir>/tierfs`` if no other mount uses it. Everything is removed relative to verified
+    descriptors, never through a redirected path."""
     private.remove_dir(path, "data")
     if keep_dirty and (os.path.exists(os.path.join(path, "journal.sqlite"))
                        or any(_has_entries(os.path.join(path, d)) for d in ("dirty", "quarantine"))):
@@ -200,12 +201,10 @@ def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
             try:
                 held = journal_summary(os.path.join(path, "journal.sqlite"))
                 keep = bool(held.dirty or held.quarantined)
-            except FileNotFoundError:
-                # no journal: data files left in dirty/ or quarantine/ are someone's bytes
-                # whose names are lost; never removed here (remove_ram_tier keeps them)
-                keep = True
             except OSError:
-                keep = True  # unreadable: it may name files not written back
+                # unreadable: it may name files not written back; or none: data files left in
+                # dirty/ or quarantine/ are someone's bytes whose names are lost (kept too)
+                keep = True
         remove_ram_tier(path, keep_dirty=keep)
     finally:
         os.close(lock)

@@ -111,11 +111,11 @@ def _in_group(ctx: RequestCtx, gid: int) -> bool:
 _SUIDGID = stat.S_ISUID | stat.S_ISGID
 
 
-# requests that change no file's attributes (an open counts as one only when it neither writes
-# nor truncates: Handlers.open): the fstat of an open stands for its file's attributes across
-# these only (Namespace.lstat)
-# (an fsync changes no attributes a backing fstat could show: a dirty file's come from its
-# data file, and a write-back that replaces the backing file changes its inode, which lstat checks)
+# Requests that change no file's attributes: the fstat of an open stands for its file's
+# attributes across these only (Namespace.lstat). An open counts only when it neither writes nor
+# truncates (Handlers.open). An fsync changes nothing a backing fstat could show: a dirty file's
+# attributes come from its data file, and a write-back that replaces the backing file changes
+# its inode, which lstat checks.
 _CHANGES_NOTHING = frozenset({"getattr", "lookup", "open", "read", "readdir", "readlink", "getxattr",
                               "listxattr", "statfs", "opendir", "flush", "fsync", "fsyncdir", "release",
                               "releasedir", "forget"})
