@@ -26,7 +26,6 @@ import json
 import os
 import pstats
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +34,8 @@ from multiprocessing import Pool
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_smallfiles import REPO, KiB, is_mounted, log, unmount  # noqa: E402
-from profile_tarx import _stats, _wait_mounted  # noqa: E402
+from bench_smallfiles import REPO, KiB, log  # noqa: E402
+from profile_tarx import _stats, _wait_mounted, per_request, stop  # noqa: E402
 
 
 def _read_all(paths: list[str]) -> None:
@@ -89,29 +88,11 @@ def run(args: argparse.Namespace) -> dict:
         after = _stats(mnt)["fuse"]
         n = args.epochs * args.files
         out["daemon_cpu_us_per_file"] = round((_cpu_s(proc.pid) - cpu) / n * 1e6)
-        per = {}
-        for op, k in sorted(after["requests"].items()):
-            dn = k - before["requests"].get(op, 0)
-            if dn:
-                dt = after["request_seconds"].get(op, 0.0) - before["request_seconds"].get(op, 0.0)
-                per[op] = {"per_file": round(dn / n, 3), "handler_us": round(dt / dn * 1e6, 1)}
-        out["requests"] = per
+        out["requests"] = {op: {k: round(v, 3) for k, v in d.items()}
+                           for op, d in sorted(per_request(before, after, n).items())}
         out["getattrs_from_open"] = after.get("getattrs_from_open", 0) - before.get("getattrs_from_open", 0)
     finally:
-        if proc is not None:
-            if is_mounted(mnt):
-                subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
-                               capture_output=True, timeout=600)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        unmount(mnt)
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            mnt.rmdir()
-        except OSError:
-            pass
+        stop(proc, mnt, work)
     out["loadavg_end"] = open("/proc/loadavg").read().strip()
     return out
 

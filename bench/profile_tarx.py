@@ -82,33 +82,45 @@ def run(args: argparse.Namespace) -> dict:
         tr = after.get("transport") or {}
         out["transport"] = f"{tr.get('name', 'pyfuse3')}{' + passthrough' if tr.get('passthrough') else ''}"
         out["writeback_passthrough_opens"] = after.get("writeback", {}).get("passthrough_opens")
-        fb, fa = before["fuse"], after["fuse"]
-        per: dict[str, dict[str, float]] = {}
-        for op, k in fa["requests"].items():
-            dn = k - fb["requests"].get(op, 0)
-            if dn:
-                dt = fa.get("request_seconds", {}).get(op, 0.0) - fb.get("request_seconds", {}).get(op, 0.0)
-                per[op] = {"per_file": dn / args.files, "handler_us": dt / dn * 1e6}
+        per = per_request(before["fuse"], after["fuse"], args.files)
         out["requests"] = per
         out["requests_per_file"] = sum(v["per_file"] for v in per.values())
         out["writeback_after_tar"] = after.get("writeback", {}).get("dirty_files")
     finally:
-        if proc is not None:
-            if is_mounted(mnt):
-                subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
-                               capture_output=True, timeout=600)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        unmount(mnt)
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            mnt.rmdir()
-        except OSError:
-            pass
+        stop(proc, mnt, work)
     out["loadavg_end"] = open("/proc/loadavg").read().strip()
     return out
+
+
+def per_request(before: dict, after: dict, files: int) -> dict[str, dict[str, float]]:
+    """Per kind of request between two ``stats.json`` ``fuse`` sections: how many per file,
+    and the mean time inside its handler (us)."""
+    per: dict[str, dict[str, float]] = {}
+    for op, k in after["requests"].items():
+        dn = k - before["requests"].get(op, 0)
+        if dn:
+            dt = after.get("request_seconds", {}).get(op, 0.0) - before.get("request_seconds", {}).get(op, 0.0)
+            per[op] = {"per_file": dn / files, "handler_us": dt / dn * 1e6}
+    return per
+
+
+def stop(proc: subprocess.Popen | None, mnt: Path, work: Path) -> None:  # type: ignore[type-arg]
+    """Unmount ``mnt`` and wait for the daemon ``proc`` (killed after 2 min); remove ``work``
+    and the mountpoint."""
+    if proc is not None:
+        if is_mounted(mnt):
+            subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
+                           capture_output=True, timeout=600)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    unmount(mnt)
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        mnt.rmdir()
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
