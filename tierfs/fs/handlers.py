@@ -116,9 +116,10 @@ _SUIDGID = stat.S_ISUID | stat.S_ISGID
 # truncates (Handlers.open). An fsync changes nothing a backing fstat could show: a dirty file's
 # attributes come from its data file, and a write-back that replaces the backing file changes
 # its inode, which lstat checks.
+# (RELEASE, RELEASEDIR and FORGET do not go through _op: a passthrough writer's writes are
+# taken in at its release while it still counts as passing through, see _open_backing.)
 _CHANGES_NOTHING = frozenset({"getattr", "lookup", "open", "read", "readdir", "readlink", "getxattr",
-                              "listxattr", "statfs", "opendir", "flush", "fsync", "fsyncdir", "release",
-                              "releasedir", "forget"})
+                              "listxattr", "statfs", "opendir", "flush", "fsync", "fsyncdir"})
 
 
 class _Op:
@@ -603,7 +604,12 @@ class Handlers:
         """Open of a clean file: its backing file; the page cache is kept unless the backing
         file changed since the last open (then its cached chunks are dropped too)."""
         # its fstat answers the GETATTR right after (Namespace.lstat) unless a writer may
-        # change the file with no request: one open already passing through, in place
+        # change the file with no request: one open already passing through, in place. This
+        # holds because a writer passes through only by joining an inode already passing
+        # through, in the same step as its open ends (nothing in _open_reply -> lease ->
+        # _lease -> _share_tier_copy awaits before it joins): a reader's open that began after
+        # that writer's (a change: Handlers.open) sees handles > 0 here. An await added on that
+        # path would need this check again after the fstat.
         tp = self.tier_passthrough.get(entry.inode)
         bf = await self.ns.backing_file(self.inodes.rel(entry),
                                         reader=not h.writer and (tp is None or tp.handles <= 0))
