@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -217,7 +218,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
             print(f"tierfs: cleaned up the dead mount on {mnt}" + (" and its RAM tier" if freed else ""))
             return 0
         raise
-    if args.flush:
+    if args.flush and os.statvfs(mnt).f_flag & os.ST_RDONLY:
+        # (the daemon still writes back, before it exits, what a crash left in its write tier)
+        print("tierfs: a read-only mount: nothing was written through it")
+    elif args.flush:
         reply = _flush(mnt, [], 1e9)
         if not reply.get("ok"):
             raise MountError(f"flush failed: {reply.get('error')}")
@@ -246,6 +250,9 @@ def _command(mountpoint: str, request: dict[str, Any]) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
+        if e.errno == errno.EROFS:
+            raise MountError(f"{mountpoint} is a read-only tierfs mount (ro): it takes no "
+                             f"{request.get('op', 'control')} requests; mount it read-write") from None
         raise MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})") from None
     try:
         os.write(fd, json.dumps(request).encode() + b"\n")

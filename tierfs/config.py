@@ -204,6 +204,16 @@ OPTIONS: tuple[Option, ...] = (
            "page cache they leave); a writer beside such readers writes "
            "the backing file in place (no write-back), as through bindfs. Never on the hdd profile "
            "(the scheduler serializes every HDD access); false: misses are read through the daemon"),
+    Option("ro", _bool, False, "read-only mount: no file or directory can be created, written, "
+           "renamed or removed through it (EROFS), as for any filesystem mounted ro. A dataset "
+           "mount: see kernel_opens. Hints (tierfs_hints) and flush need a read-write mount"),
+    Option("kernel_opens", _bool, True, "a read-only mount (ro) on the native transport: the "
+           "kernel answers every open and close itself, with no request to the daemon, and keeps "
+           "each file's page cache across opens (an epoch of small files in the page cache runs "
+           "at the page cache's speed); reads it cannot serve come to the daemon. A change made "
+           "behind tierfs' back is then seen within attr_timeout, not at the next open. false: "
+           "every open asks the daemon (passthrough of resident files; changes seen at the next "
+           "open)"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -254,6 +264,8 @@ class Config:
     transport: str = "auto"
     passthrough: str = "on"
     passthrough_misses: bool = True
+    ro: bool = False
+    kernel_opens: bool = True
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

@@ -32,7 +32,8 @@ from tierfs.errors import ConfigError
 HELPER_NAME = "mount.fuse.tierfs"
 FSTYPE = "fuse.tierfs"
 # mount(8), FUSE and systemd options that are not tierfs options. tierfs mounts are always
-# nosuid,nodev,noatime (FUSE's defaults for root plus tierfs' noatime) and read-write.
+# nosuid,nodev,noatime (FUSE's defaults for root plus tierfs' noatime); ``ro`` is a tierfs
+# option (a read-only mount), passed on as such.
 GENERIC = frozenset({
     "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "group", "nofail", "_netdev",
     "rw", "nosuid", "nodev", "suid", "dev", "exec", "noexec", "noatime", "atime", "relatime",
@@ -59,7 +60,7 @@ def split_options(text: str) -> tuple[list[str], str | None, set[str]]:
     """``-o`` text from mount(8) -> (tierfs option items, ``config=`` file, generic options).
 
     Raises:
-        ConfigError: ``ro`` (tierfs mounts are read-write), or an empty ``config=``.
+        ConfigError: an empty ``config=``.
     """
     items: list[str] = []
     generic: set[str] = set()
@@ -68,8 +69,6 @@ def split_options(text: str) -> tuple[list[str], str | None, set[str]]:
         if not item:
             continue
         key = item.partition("=")[0]
-        if item == "ro":
-            raise ConfigError("ro: tierfs mounts are read-write (remove ro from the options)")
         if key == "config":
             config = item.partition("=")[2]
             if not config:

@@ -538,6 +538,11 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["fuse"]["kept_passthrough"] = len(ops.kept_passthrough)
         doc["fuse"]["kept_passthrough_reuses"] = ops.kept_reuses
         doc["fuse"]["kept_passthrough_fds"] = ops.kept_fds  # of those, kept with a descriptor open
+        # a read-only mount whose opens the kernel answers: implicit read handles (Handlers.read_inode)
+        doc["fuse"]["read_only"] = cfg.ro
+        doc["fuse"]["kernel_opens"] = control.kernel_opens
+        doc["fuse"]["inode_readers"] = len(ops.inode_readers)
+        doc["fuse"]["inode_reader_opens"] = ops.inode_reader_opens
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None
@@ -576,9 +581,13 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
     options = {f"fsname={fsname}", "subtype=tierfs", "default_permissions", "noatime"}
     if effective_allow_other(cfg, os.geteuid()):
         options.add("allow_other")
+    if cfg.ro:
+        options.add("ro")
     session: Session | None = None
     session = await start_session(cfg.transport, ops, plan.mountpoint, fsname=plan.backing,
-                                  options=options, passthrough=cfg.passthrough)
+                                  options=options, passthrough=cfg.passthrough, kernel_opens=cfg.kernel_opens)
+    # (before the session serves: its first LOOKUP of a control file must render it)
+    control.kernel_opens = bool(getattr(session, "kernel_opens", False))
     # misses straight from a parallel store (never an HDD's: its scheduler orders every access)
     ops.backing_passthrough = cfg.passthrough_misses and not profile.elevator and cfg.passthrough == "on"
     unmounted_cleanly = False

@@ -60,6 +60,10 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 # in the kernel (~1 KiB with its registration), so at most ~64 MiB of kernel memory
 KEPT_PASSTHROUGH_MAX = 65536
 FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
+# implicit read handles of files the kernel opened itself (Handlers.read_inode): each holds a
+# FileHandle and its readahead state (~1 KiB) and maybe an open backing file; the least
+# recently read goes first beyond this many (the kernel's own FORGETs usually come first)
+INODE_READERS_MAX = 16384
 
 
 @contextmanager
@@ -161,6 +165,17 @@ def logged_errors(what: str) -> Iterator[None]:
 
 
 @dataclass(eq=False)
+class _InodeReader:
+    """The implicit read-only handle of a file the kernel opened itself (a read-only mount
+    with ``kernel_opens``): its READs carry no handle."""
+
+    fh: int
+    opened: float  # time.monotonic() of its open (the identity check)
+    reading: int = 0  # READs in flight on it (a release waits for them)
+    dropped: bool = False  # let go: released when the last READ in flight ends
+
+
+@dataclass(eq=False)
 class _TierPassthrough:
     """An inode whose open handles the kernel passes through to one tier file (a clean
     file's tier copy, leased from the cache): every further open of it, reader or writer,
@@ -250,6 +265,11 @@ class Handlers:
         # all closed and it is not kept (or no longer): its registration can go
         self.on_passthrough_end: Callable[[int], None] | None = None
         self.reads = 0  # FUSE read requests of data files
+        # read-only mounts whose opens the kernel answers: inode -> its implicit read handle,
+        # least recently read first (read_inode)
+        self.inode_readers: collections.OrderedDict[int, _InodeReader] = collections.OrderedDict()
+        self.inode_reader_opens = 0
+        self._inode_opening: dict[int, trio.Event] = {}  # inode -> set when its open ends
         self.read_bytes = 0
         self.max_read = 0
         self.writes = 0
@@ -300,7 +320,7 @@ class Handlers:
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestCtx | None = None) -> Attr:
         with self._op("lookup"):
             if parent_inode == CONTROL_DIR:
-                return self.control.lookup(name, self.attr_timeout)
+                return self.control.lookup(name, self.attr_timeout, None if ctx is None else ctx.uid)
             if parent_inode == ROOT and name == CONTROL_NAME:
                 return self.control.attrs(CONTROL_DIR, self.attr_timeout)
             return await self.ns.lookup(parent_inode, name)
@@ -310,6 +330,8 @@ class Handlers:
         for k, (inode, n) in enumerate(inode_list, 1):
             with logged_errors("forget"):  # one bad inode must not leak the others' lookups
                 self.inodes.forget(inode, n)
+                if inode in self.inode_readers and inode not in self.inodes.by_inode:
+                    await self._drop_inode_reader(inode)
             if k % FORGET_STEP == 0:
                 # the kernel batches thousands of forgets after a big listing: give the loop
                 # to other requests between steps (a step costs a few ms)
@@ -318,7 +340,7 @@ class Handlers:
     async def getattr(self, inode: int, ctx: RequestCtx | None = None) -> Attr:
         with self._op("getattr"):
             if self._is_control(inode):
-                return self.control.attrs(inode, self.attr_timeout)
+                return self.control.attrs(inode, self.attr_timeout, None if ctx is None else ctx.uid)
             return await self.ns.entry_attrs(self.inodes.get(inode))
 
     async def readlink(self, inode: int, ctx: RequestCtx | None = None) -> bytes:
@@ -497,8 +519,7 @@ class Handlers:
     def _passthrough_writers(self, inode: int) -> bool:
         """Whether a handle of ``inode`` writes through a passthrough lease (a scan of the
         open handles: only for a chmod that sets set-user/group-ID)."""
-        return any(isinstance(h, FileHandle) and h.inode == inode and h.lease is not None
-                   and h.lease.writable for h in self.handles.handles.values())
+        return any(h.lease is not None and h.lease.writable for h in self.handles.of_inode(inode))
 
     async def _kill_suidgid(self, inode: int, a: Attr | None = None, ctx: RequestCtx | None = None) -> Attr:
         """Drop set-user-ID, and set-group-ID if the file is group-executable (a set-group-ID
@@ -683,6 +704,75 @@ class Handlers:
                 return b""
             self._read_triggers(h, entry, f, off, size)
             return await self.cache.read(f, off, size, h.access)
+
+    async def read_inode(self, inode: int, off: int, size: int, ctx: RequestCtx) -> bytes:
+        """A READ of ``size`` bytes at ``off`` (bytes) of a file the kernel opened itself (a
+        read-only mount with ``kernel_opens``: no OPEN reached the daemon, so the READ names
+        the inode and no handle). Served through the inode's implicit read-only handle, opened
+        at its first READ as an OPEN would be (permissions were checked by the kernel at the
+        open(2): ``default_permissions``) and kept, with its readahead state, until the kernel
+        forgets the inode, until it is older than ``attr_timeout`` (then opened again, with
+        the identity check of an open: a change made behind tierfs' back is seen within
+        ``attr_timeout``) or until more than :data:`INODE_READERS_MAX` are kept (the least
+        recently read goes). A control file's READ gets its content as rendered for the
+        caller's last GETATTR (:meth:`ControlPlane.read_rendered`). Raises FuseError."""
+        if self._is_control(inode):
+            with self._op("read"):
+                return self.control.read_rendered(inode, ctx.uid, off, size)
+        r = await self._inode_reader(inode, ctx)
+        r.reading += 1
+        try:
+            return await self.read(r.fh, off, size)
+        finally:
+            r.reading -= 1
+            if r.dropped and r.reading == 0:
+                await self.release(r.fh)
+
+    async def _inode_reader(self, inode: int, ctx: RequestCtx) -> _InodeReader:
+        """The implicit read handle of ``inode``, opened if it has none (single-flight: the
+        kernel's readahead sends a file's first READs together; each opened one)."""
+        while (opening := self._inode_opening.get(inode)) is not None:
+            await opening.wait()
+        r = self.inode_readers.get(inode)
+        if r is not None:
+            if time.monotonic() - r.opened <= self.attr_timeout:
+                self.inode_readers.move_to_end(inode)
+                return r
+            await self._drop_inode_reader(inode)
+        self._inode_opening[inode] = done = trio.Event()
+        try:
+            return await self._open_inode_reader(inode, ctx)
+        finally:
+            del self._inode_opening[inode]
+            done.set()
+
+    async def _open_inode_reader(self, inode: int, ctx: RequestCtx) -> _InodeReader:
+        try:
+            opened = await self.open(inode, os.O_RDONLY, ctx)
+        except FuseError as e:
+            if e.errno != errno.ESTALE:
+                raise
+            # changed behind tierfs' back since the kernel was told its attributes: an OPEN's
+            # ESTALE makes the kernel look the name up again, which a READ cannot; this open
+            # (told once: InodeEntry.reval_sent) serves the new content, the kernel gets the
+            # new size at its next GETATTR (attr_timeout) and drops its pages then
+            # (auto_inval_data)
+            opened = await self.open(inode, os.O_RDONLY, ctx)
+        self.inode_reader_opens += 1
+        r = self.inode_readers[inode] = _InodeReader(opened.fh, time.monotonic())
+        while len(self.inode_readers) > INODE_READERS_MAX:
+            await self._drop_inode_reader(next(iter(self.inode_readers)))
+        return r
+
+    async def _drop_inode_reader(self, inode: int) -> None:
+        """Let go of ``inode``'s implicit read handle (released now, or by the last READ in
+        flight on it)."""
+        r = self.inode_readers.pop(inode, None)
+        if r is None or r.dropped:
+            return
+        r.dropped = True
+        if r.reading == 0:
+            await self.release(r.fh)
 
     async def _read_file(self, h: FileHandle, entry: InodeEntry | None) -> BackingFile:
         """The backing file a clean read comes from: the handle's, or (opened while dirty, or

@@ -41,7 +41,7 @@ from tierfs import tasks
 from tierfs.backing_tree import BackingTree, DirScan, proc_path, read_batch, split
 from tierfs.cache.manager import AccessState, Cache
 from tierfs.fs.api import RENAME_EXCHANGE, RENAME_NOREPLACE, Attr, FuseError, RequestCtx, SetAttr
-from tierfs.fs.handles import FileHandle, HandleTable
+from tierfs.fs.handles import HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
 from tierfs.sched.backing import BackingFile, Identity, Openings, key_path
@@ -242,9 +242,7 @@ class Namespace:
         closed: with the name unlinked, nothing else answers for it), then the copy of the
         backing file kept for an unlinked name, then a handle's backing file."""
         backing = None
-        for h in self.handles.handles.values():
-            if not isinstance(h, FileHandle) or h.inode != entry.inode:
-                continue
+        for h in self.handles.of_inode(entry.inode):
             if h.dirty is not None and h.dirty.fd >= 0:
                 return int(h.dirty.fd)
             if backing is None and h.file is not None and h.file.fd >= 0:
@@ -309,9 +307,7 @@ class Namespace:
         if entry.dirty is not None:
             return await self.dirty_attrs(entry, entry.dirty)
         st = await self.lstat(entry)
-        held_dirty = entry.path is None and any(
-            isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
-            for h in self.handles.handles.values())
+        held_dirty = entry.path is None and any(h.dirty is not None for h in self.handles.of_inode(entry.inode))
         # unlinked but open, answered by a data file: its link is the tier's, no name links it
         return self.clean_attrs(entry, st, nlink=0 if held_dirty else None)
 
@@ -709,9 +705,8 @@ class Namespace:
     def clean_but_open(self, entry: InodeEntry, path: bytes) -> DirtyFile | None:
         """The written-back (clean) dirty file of ``entry`` that open handles still read, if
         any (:meth:`tierfs.writeback.manager.WriteBack.redirty`)."""
-        for h in self.handles.handles.values():
-            if (isinstance(h, FileHandle) and h.inode == entry.inode and h.dirty is not None
-                    and h.dirty.state.value == "clean" and h.dirty.path == path):
+        for h in self.handles.of_inode(entry.inode):
+            if h.dirty is not None and h.dirty.state.value == "clean" and h.dirty.path == path:
                 return h.dirty
         return None
 

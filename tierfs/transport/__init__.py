@@ -73,11 +73,13 @@ class Pyfuse3Session:
 
 
 async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsname: str,
-                        options: set[str], passthrough: str = "on") -> Session:
+                        options: set[str], passthrough: str = "on", kernel_opens: bool = False) -> Session:
     """Mount ``mountpoint`` with transport ``kind`` (``auto``/``native``/``pyfuse3``) and
     answer INIT. ``options``: the pyfuse3 mount options (``allow_other`` is read from them for
     the native transport). ``passthrough``: on (resident and written files), writes (dirty files only) or off (the
-    ``passthrough`` config key). Raises MountError."""
+    ``passthrough`` config key). ``"ro"`` in ``options``: a read-only mount; ``kernel_opens``
+    (read-only mounts on the native transport): the kernel answers opens (the
+    ``kernel_opens`` config key; no passthrough then). Raises MountError."""
     from tierfs.transport import native
 
     if kind not in TRANSPORTS:
@@ -92,11 +94,15 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
     if not cap:
         raise MountError("the native transport mounts with mount(2) and needs root (CAP_SYS_ADMIN); "
                          "use --transport pyfuse3 for an unprivileged mount")
+    read_only = "ro" in options
+    kernel_opens = kernel_opens and read_only
     fd, mountpoint = native.mount_fuse(mountpoint, fsname=fsname, subtype="tierfs",
-                                       allow_other="allow_other" in options)
-    no_pt = passthrough == "off"
+                                       allow_other="allow_other" in options, read_only=read_only)
+    # (opens the kernel answers pass nothing through: passthrough is set up by an open's reply)
+    no_pt = passthrough == "off" or kernel_opens
     s = native.NativeSession(handlers, fd, mountpoint, want_passthrough=not no_pt,
-                             clean_passthrough=passthrough == "on")
+                             clean_passthrough=passthrough == "on", read_only=read_only,
+                             kernel_opens=kernel_opens)
     try:
         ir = await s.init()
     except BaseException:
@@ -113,6 +119,9 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
                  "and the daemon has CAP_SYS_ADMIN"
                  + ("; written files only (passthrough = writes)" if passthrough == "writes"
                     else "; resident and written files (passthrough = on)"))
+    elif kernel_opens:
+        s.why = (f"{'auto' if kind == 'auto' else 'asked for'}; a read-only mount whose opens the "
+                 "kernel answers (kernel_opens): no passthrough")
     elif no_pt:
         s.why = f"{'auto' if kind == 'auto' else 'asked for'}; passthrough off (passthrough = off)"
     else:

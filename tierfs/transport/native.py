@@ -74,7 +74,7 @@ _ENTRIES = frozenset({c.LOOKUP, c.MKNOD, c.MKDIR, c.SYMLINK, c.LINK, c.CREATE})
 CAP_SYS_ADMIN = 21
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
-MS_NOSUID, MS_NODEV, MS_NOATIME = 2, 4, 1024
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOATIME = 1, 2, 4, 1024
 MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -91,10 +91,11 @@ def has_cap_sys_admin() -> bool:
     return os.geteuid() == 0
 
 
-def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> tuple[int, str]:
+def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool,
+               read_only: bool = False) -> tuple[int, str]:
     """Open ``/dev/fuse`` and mount it on ``mountpoint`` with mount(2) (needs CAP_SYS_ADMIN).
     Options as the pyfuse3 transport's: ``default_permissions`` (the kernel checks modes),
-    ``noatime``, ``nosuid``, ``nodev``. Returns the descriptor (non-blocking, close-on-exec) and
+    ``noatime``, ``nosuid``, ``nodev``; ``read_only``: ``MS_RDONLY``. Returns the descriptor (non-blocking, close-on-exec) and
     the mountpoint resolved (before mounting: once mounted, resolving it asks the daemon, which
     must then be serving). Raises MountError."""
     mountpoint = os.path.realpath(mountpoint)
@@ -105,7 +106,7 @@ def mount_fuse(mountpoint: str, *, fsname: str, subtype: str, allow_other: bool)
     if allow_other:
         opts += ",allow_other"
     rc = _libc.mount(fsname.encode(), mountpoint.encode(), f"fuse.{subtype}".encode(),
-                     MS_NOSUID | MS_NODEV | MS_NOATIME, opts.encode())
+                     MS_NOSUID | MS_NODEV | MS_NOATIME | (MS_RDONLY if read_only else 0), opts.encode())
     if rc != 0:
         e = ctypes.get_errno()
         os.close(fd)
@@ -318,10 +319,20 @@ class NativeSession:
     name = "native"
 
     def __init__(self, handlers: Handlers, fd: int, mountpoint: str, *, want_passthrough: bool,
-                 clean_passthrough: bool = True) -> None:
+                 clean_passthrough: bool = True, read_only: bool = False, kernel_opens: bool = False) -> None:
         """``mountpoint``: as /proc/self/mounts names it (resolved before mounting: resolving
-        it now would ask this very daemon for the mount's root)."""
+        it now would ask this very daemon for the mount's root). ``read_only``: the mount is
+        ``MS_RDONLY`` (the kernel refuses changes; requests that would change anything are
+        answered EROFS here too). ``kernel_opens`` (read-only mounts only): OPEN is answered
+        ENOSYS, which makes the kernel open and close every file itself from then on, with no
+        request (``fc->no_open``, fs/fuse/file.c, with the page cache kept across opens: its
+        default for no-open); READs then carry no handle and are served by inode
+        (:meth:`Handlers.read_inode`)."""
+        if kernel_opens and not read_only:
+            raise ValueError("kernel_opens needs a read-only mount")
         self.h = handlers
+        self.read_only = read_only
+        self.kernel_opens = kernel_opens
         self.clean_passthrough = clean_passthrough
         self.fd = fd
         self.mountpoint = mountpoint
@@ -350,6 +361,7 @@ class NativeSession:
         self.unexpected = 0  # handler exceptions answered EIO
         self.unknown = 0  # ENOSYS
         self.ioctls = 0  # answered ENOTTY (tierfs files have no ioctls)
+        self.refused_read_only = 0  # changes answered EROFS (a read-only mount)
 
     @property
     def passthrough(self) -> bool:
@@ -554,6 +566,17 @@ class NativeSession:
         n[op] = n.get(op, 0) + 1
         if op == c.INTERRUPT:
             self._interrupt(req.args["unique"])
+            return None
+        if self.kernel_opens and op in _KERNEL_ANSWERS:
+            # ENOSYS once: the kernel answers every later one itself (fc->no_open, no_flush,
+            # no_fsync), so a file's open and close cost the daemon nothing
+            self._send(c.error_reply(req.unique, errno.ENOSYS))
+            return None
+        if self.read_only and op in _CHANGES:
+            # MS_RDONLY: the VFS refuses these before they are sent; answered here too, so
+            # that nothing but the kernel's own checks stands between a request and the store
+            self.refused_read_only += 1
+            self._send(c.error_reply(req.unique, errno.EROFS))
             return None
         if op == c.IOCTL:
             # No file of tierfs has ioctls. The kernel sends every ioctl of a file to the
@@ -761,6 +784,8 @@ class NativeSession:
 
     async def op_read(self, req: c.Request) -> bytes:
         a = req.args
+        if self.kernel_opens and a["fh"] == 0:  # opened by the kernel (no handle is ever 0)
+            return await self.h.read_inode(req.nodeid, a["offset"], a["size"], self.ctx(req))
         return await self.h.read(a["fh"], a["offset"], a["size"])
 
     async def op_write(self, req: c.Request) -> bytes:
@@ -813,7 +838,8 @@ class NativeSession:
             "interrupts": self.interrupts, "interrupted": self.interrupted,
             "stale_replies": self.stale_replies, "malformed": self.malformed,
             "unexpected_errors": self.unexpected, "unknown_opcodes": self.unknown,
-            "ioctls": self.ioctls,
+            "ioctls": self.ioctls, "read_only": self.read_only, "kernel_opens": self.kernel_opens,
+            "refused_read_only": self.refused_read_only,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
@@ -886,6 +912,12 @@ async def _getattr(s: NativeSession, r: c.Request) -> bytes:
 async def _forget(s: NativeSession, r: c.Request) -> None:
     await s.h.forget([(r.h.nodeid, r.args["nlookup"])])
 
+
+# Answered ENOSYS on a mount whose opens the kernel answers: it then stops sending them
+_KERNEL_ANSWERS = frozenset({c.OPEN, c.FLUSH, c.FSYNC})
+# Requests that change a file or directory: EROFS on a read-only mount
+_CHANGES = frozenset({c.SETATTR, c.SYMLINK, c.MKNOD, c.MKDIR, c.UNLINK, c.RMDIR, c.RENAME, c.RENAME2,
+                      c.LINK, c.CREATE, c.WRITE, c.SETXATTR, c.REMOVEXATTR, c.FALLOCATE, c.TMPFILE})
 
 _HANDLERS: dict[int, _Handler] = {
     c.LOOKUP: _lookup,
