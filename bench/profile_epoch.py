@@ -6,7 +6,8 @@ requests each file costs and the daemon's mean time inside each kind of handler,
 One fresh tmpfs backing directory of ``--files`` files of 80-140 KiB in 40 directories, one
 mount (``--ram 2GiB`` plus ``--tierfs-arg``\\ s), one epoch that fills the RAM tier, then
 ``--epochs`` shuffled epochs of ``--procs`` processes each reading whole files with
-``open().read()`` (what an image ``Dataset`` does). The daemon's CPU time comes from
+``open().read()`` (what an image ``Dataset`` does); ``--drop`` drops the mount's page cache
+before each (``posix_fadvise(DONTNEED)`` of every file, as ``bench_smallfiles.py`` does). The daemon's CPU time comes from
 ``/proc/PID/stat`` (user + system, all its threads). Needs root (mounts). From the repository
 root:
 
@@ -34,7 +35,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_smallfiles import REPO, KiB, log  # noqa: E402
+from bench_smallfiles import REPO, KiB, drop_page_cache, log  # noqa: E402
 from profile_tarx import _stats, _wait_mounted, per_request, stop  # noqa: E402
 
 
@@ -80,11 +81,20 @@ def run(args: argparse.Namespace) -> dict:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _wait_mounted(mnt, proc)
         log("filling epoch")
+        cpu0 = _cpu_s(proc.pid)
         out["fill_files_per_s"] = round(_epoch(mnt, names, args.procs))
+        out["fill_daemon_cpu_us_per_file"] = round((_cpu_s(proc.pid) - cpu0) / args.files * 1e6)
         time.sleep(3)  # the fills of the last files
         before, cpu = _stats(mnt)["fuse"], _cpu_s(proc.pid)
         log(f"{args.epochs} epochs")
-        out["files_per_s"] = [round(_epoch(mnt, names, args.procs)) for _ in range(args.epochs)]
+        rates = []
+        for _ in range(args.epochs):
+            if args.drop:
+                cpu_drop = _cpu_s(proc.pid)
+                drop_page_cache(mnt, names, args.procs)
+                cpu += _cpu_s(proc.pid) - cpu_drop  # (the drop's own requests are not the epoch's)
+            rates.append(round(_epoch(mnt, names, args.procs)))
+        out["files_per_s"] = rates
         after = _stats(mnt)["fuse"]
         n = args.epochs * args.files
         out["daemon_cpu_us_per_file"] = round((_cpu_s(proc.pid) - cpu) / n * 1e6)
@@ -105,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram", default="2GiB")
     p.add_argument("--profile", default="", help="write the daemon's cProfile here and print its top")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--drop", action="store_true",
+                   help="drop the mount's page cache before each epoch (reads come to the daemon or pass through)")
     p.add_argument("--tierfs-arg", dest="extra", action="append", default=[],
                    help="extra argument for tierfs mount (repeatable)")
     args = p.parse_args(argv)

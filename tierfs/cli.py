@@ -244,16 +244,21 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unreachable(mountpoint: str, e: OSError, op: str) -> MountError:
+    """Why the control file of ``mountpoint`` took no ``op`` request (its open failed)."""
+    if e.errno == errno.EROFS:  # its control file cannot be opened for writing
+        return MountError(f"{mountpoint} is a read-only tierfs mount (ro): it takes no {op} request "
+                          "(where, warmup, evict, flush and hints need a read-write mount)")
+    return MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})")
+
+
 def _command(mountpoint: str, request: dict[str, Any]) -> dict[str, Any]:
     """Send one request to the daemon's control file and return its reply."""
     path = _control_path(mountpoint, wire.CTL_FILE)
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
-        if e.errno == errno.EROFS:
-            raise MountError(f"{mountpoint} is a read-only tierfs mount (ro): it takes no "
-                             f"{request.get('op', 'control')} requests; mount it read-write") from None
-        raise MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})") from None
+        raise _unreachable(mountpoint, e, str(request.get("op", "control"))) from None
     try:
         os.write(fd, json.dumps(request).encode() + b"\n")
         reply = b""
@@ -475,7 +480,7 @@ def _hint_request(mnt: str, req: dict[str, Any]) -> dict[str, Any]:
     except wire.ControlError as e:
         raise MountError(str(e)) from None
     except OSError as e:
-        raise MountError(f"{mnt} is not a live tierfs mount ({e.strerror})") from None
+        raise _unreachable(mnt, e, str(req.get("op", "control"))) from None
 
 
 def cmd_where(args: argparse.Namespace) -> int:
