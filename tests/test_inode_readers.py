@@ -1,7 +1,7 @@
 """The implicit read handles of files the kernel opened itself (a read-only mount with
 ``kernel_opens``: READs carry no handle): one per inode, shared by concurrent READs, opened
 again once older than ``attr_timeout``, let go when the kernel forgets the inode or beyond
-INODE_READERS_MAX, and never released under a READ in flight. In-process, with the open, read
+a cap (half of RLIMIT_NOFILE at most), and never released under a READ in flight. In-process, with the open, read
 and release of a handle faked (their own tests are elsewhere); trio's mock clock."""
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def _ops(attr_timeout: float = 60.0) -> tuple[Handlers, _Fake]:
     ops.handles = HandleTable()
     ops.inode_readers = handlers_mod.collections.OrderedDict()
     ops.inode_reader_opens = 0
+    ops.inode_readers_max = handlers_mod.INODE_READERS_MAX
     ops._inode_opening = {}
     ops.attr_timeout = attr_timeout
     ops.control = SimpleNamespace(by_inode={})  # type: ignore[assignment]
@@ -103,9 +104,9 @@ async def test_an_open_that_finds_the_file_changed_is_retried_once(clock: trio.t
 
 
 async def test_readers_are_let_go_beyond_the_cap_least_recently_read_first(
-        clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handlers_mod, "INODE_READERS_MAX", 3)
+        clock: trio.testing.MockClock) -> None:
     ops, fake = _ops()
+    ops.inode_readers_max = 3
     for inode in (11, 12, 13):
         await ops.read_inode(inode, 0, 1, CTX)
     await ops.read_inode(11, 0, 1, CTX)  # 11 is now the most recent

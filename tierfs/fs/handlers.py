@@ -61,8 +61,10 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 KEPT_PASSTHROUGH_MAX = 65536
 FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET batch
 # implicit read handles of files the kernel opened itself (Handlers.read_inode): each holds a
-# FileHandle and its readahead state (~1 KiB) and maybe an open backing file; the least
-# recently read goes first beyond this many (the kernel's own FORGETs usually come first)
+# FileHandle and its readahead state (~1 KiB) and the file's open backing file (a descriptor);
+# the least recently read goes first beyond this many, or beyond half of RLIMIT_NOFILE (a
+# read-only mount has no dirty files and no passthrough registrations, the descriptors' other
+# users); the kernel's own FORGETs usually come first
 INODE_READERS_MAX = 16384
 
 
@@ -269,6 +271,7 @@ class Handlers:
         # least recently read first (read_inode)
         self.inode_readers: collections.OrderedDict[int, _InodeReader] = collections.OrderedDict()
         self.inode_reader_opens = 0
+        self.inode_readers_max = min(INODE_READERS_MAX, _nofile() // 2)
         self._inode_opening: dict[int, trio.Event] = {}  # inode -> set when its open ends
         self.read_bytes = 0
         self.max_read = 0
@@ -713,7 +716,7 @@ class Handlers:
         open(2): ``default_permissions``) and kept, with its readahead state, until the kernel
         forgets the inode, until it is older than ``attr_timeout`` (then opened again, with
         the identity check of an open: a change made behind tierfs' back is seen within
-        ``attr_timeout``) or until more than :data:`INODE_READERS_MAX` are kept (the least
+        ``attr_timeout``) or until more than :attr:`inode_readers_max` are kept (the least
         recently read goes). A control file's READ gets its content as rendered for the
         caller's last GETATTR (:meth:`ControlPlane.read_rendered`). Raises FuseError."""
         if self._is_control(inode):
@@ -760,7 +763,7 @@ class Handlers:
             opened = await self.open(inode, os.O_RDONLY, ctx)
         self.inode_reader_opens += 1
         r = self.inode_readers[inode] = _InodeReader(opened.fh, time.monotonic())
-        while len(self.inode_readers) > INODE_READERS_MAX:
+        while len(self.inode_readers) > self.inode_readers_max:
             await self._drop_inode_reader(next(iter(self.inode_readers)))
         return r
 
