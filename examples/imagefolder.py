@@ -168,9 +168,9 @@ def compare(args: argparse.Namespace) -> int:
                                        evict=[backing])}
     mnt = Path(tempfile.mkdtemp(prefix="imagefolder-mnt-"))
     try:
-        subprocess.run([sys.executable, "-m", "tierfs", "mount", str(backing), str(mnt), "--ram", args.ram],
-                       cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-        rows["tierfs"] = train(str(mnt), args.epochs, args.workers, args.batch, args.seed,
+        subprocess.run([sys.executable, "-m", "tierfs", "mount", str(backing), str(mnt), "--ram", args.ram,
+                        *args.extra], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        rows[" ".join(["tierfs", *args.extra])] = train(str(mnt), args.epochs, args.workers, args.batch, args.seed,
                                evict=[backing, mnt])
         stats = json.loads((mnt / ".tierfs" / "stats.json").read_text())
         ram = next((t for t in stats["tiers"] if t["name"] == "ram"), None)
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t.add_argument("--backing", required=True, help="the image folder (made by `make`)")
             t.add_argument("--ram", default="1GiB")
+            t.add_argument("--tierfs-arg", dest="extra", action="append", default=[],
+                           help="extra argument for tierfs mount (repeatable): --tierfs-arg=-o --tierfs-arg=ro")
             t.add_argument("--json", action="store_true")
         t.add_argument("--epochs", type=int, default=2)
         t.add_argument("--workers", type=int, default=4)

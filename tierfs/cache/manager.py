@@ -232,6 +232,35 @@ class Cache:
             pos += take
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_resident_now(self, f: BackingFile, offset: int, size: int, access: AccessState) -> bytes | None:
+        """:meth:`read` with no await, for a read within one chunk that a tier whose calls
+        run inline (RAM: a tmpfs ``pread``, measured cheap) holds, verified; None otherwise
+        (nothing read: call :meth:`read`). What :meth:`read` records of an access (the chunk
+        entered, its frequency, its planned use, the hit) is recorded the same way."""
+        end = min(offset + size, f.size)
+        cs = self.chunk_size
+        idx = offset // cs
+        if end <= offset or end > (idx + 1) * cs:
+            return None
+        cid = (f.key, idx)
+        entry = self.catalog.get(cid)
+        if entry is None or not entry.verified or not self.tiers[entry.tier].inline:
+            return None
+        try:
+            data = self.tiers[entry.tier].read(f.key, offset, end - offset)
+        except TierIOError:
+            return None  # read() drops the chunk and reads elsewhere
+        first_touch = idx != access.last_chunk
+        access.last_chunk = idx
+        if first_touch or access.reading is None:
+            self._enter(access, cid)
+        if first_touch:
+            self.policy.freq.record(cid)
+            if self.plan is not None:
+                self.plan.consume(cid)
+        self._count_hit(cid, entry, first_touch, end - offset)
+        return data
+
     def _enter(self, access: AccessState, cid: ChunkId) -> None:
         """The handle of ``access`` now reads ``cid``: it stays in its tier until the handle
         moves on. A read consumes the chunk's planned use at its first piece, which makes it
