@@ -791,9 +791,11 @@ class Handlers:
             # (auto_inval_data)
             opened = await self.open(inode, os.O_RDONLY, ctx)
         self.inode_reader_opens += 1
-        r = self.inode_readers[inode] = _InodeReader(opened.fh, time.monotonic())
-        while len(self.inode_readers) > self.inode_readers_max:
+        # room first: a release awaits, and the new reader must not be let go meanwhile (other
+        # READs may add theirs and make it the oldest) before its READ counts as in flight
+        while self.inode_readers and len(self.inode_readers) >= self.inode_readers_max:
             await self._drop_inode_reader(next(iter(self.inode_readers)))
+        r = self.inode_readers[inode] = _InodeReader(opened.fh, time.monotonic())
         return r
 
     async def _drop_inode_reader(self, inode: int) -> None:
