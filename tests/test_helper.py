@@ -31,6 +31,8 @@ def test_options_are_split_into_tierfs_options_config_and_generic_ones() -> None
                        "nodev", "comment", "x-mount.mkdir"}
     # ro is a tierfs option (a read-only mount): passed on to tierfs mount -o
     assert helper.split_options("ro,ram=1G")[0] == ["ro", "ram=1G"]
+    assert helper.split_options("ro,ram=1G,rw")[0] == ["ram=1G"]  # the last of ro and rw wins
+    assert helper.split_options("rw,ro")[0] == ["ro"]
 
 
 def test_arguments_as_mount_calls_a_helper() -> None:

@@ -27,6 +27,7 @@ class _Fake:
         self.reading: dict[int, int] = {}
         self.gate: trio.Event | None = None
         self.stale_once: set[int] = set()
+        self.invalidated: list[int] = []
 
     async def open(self, inode: int, flags: int, ctx: Ctx, kill_suidgid: bool = False) -> OpenReply:
         assert flags == os.O_RDONLY
@@ -60,11 +61,19 @@ def _ops(attr_timeout: float = 60.0) -> tuple[Handlers, _Fake]:
     ops.inode_reader_opens = 0
     ops.inode_readers_max = handlers_mod.INODE_READERS_MAX
     ops._inode_opening = {}
+    ops.inode_invalidations = 0
+    ops.current = True  # type: ignore[attr-defined]
+
+    async def still_current(inode: int, r) -> bool:  # type: ignore[no-untyped-def]
+        return ops.current  # type: ignore[attr-defined,no-any-return]
+
+    ops._still_current = still_current  # type: ignore[method-assign]
     ops.attr_timeout = attr_timeout
     ops.control = SimpleNamespace(by_inode={})  # type: ignore[assignment]
     ops.requests = handlers_mod.collections.Counter()
     ops.inodes = SimpleNamespace(by_inode={}, forget=lambda inode, n: None)  # type: ignore[assignment]
     fake = _Fake(ops)
+    ops.on_inval_inode = fake.invalidated.append
     ops.open = fake.open  # type: ignore[method-assign]
     ops.read = fake.read  # type: ignore[method-assign]
     ops.release = fake.release  # type: ignore[method-assign]
@@ -90,10 +99,14 @@ async def test_one_reader_per_inode_shared_by_concurrent_reads_and_reopened_afte
     assert len(fake.opened) == 1 and not fake.released and list(ops.inode_readers) == [7]
     assert await ops.read_inode(7, 0, 10, CTX) == b"7"
     assert len(fake.opened) == 1
-    await trio.sleep(61)  # older than attr_timeout: opened again (the open's identity check)
+    await trio.sleep(61)  # older than attr_timeout, the backing file unchanged: kept
+    assert await ops.read_inode(7, 0, 10, CTX) == b"7"
+    assert len(fake.opened) == 1 and not fake.invalidated
+    ops.current = False  # type: ignore[attr-defined]  # changed in place behind tierfs' back
+    await trio.sleep(61)
     assert await ops.read_inode(7, 0, 10, CTX) == b"7"
     assert len(fake.opened) == 2 and fake.released == fake.opened[:1]
-    assert ops.inode_reader_opens == 2
+    assert ops.inode_reader_opens == 2 and fake.invalidated == [7]  # the kernel's pages go too
 
 
 async def test_an_open_that_finds_the_file_changed_is_retried_once(clock: trio.testing.MockClock) -> None:
@@ -141,3 +154,20 @@ def test_handle_table_knows_the_handles_of_each_inode() -> None:
     t.pop(c)
     assert t.of_inode(1) == [] and t.of_inode(2) == [] and not t._by_inode
     assert a != 0 and b != 0 and c != 0  # 0 is never a handle (a kernel-opened file's READ)
+
+
+async def test_idle_readers_are_let_go_every_attr_timeout(clock: trio.testing.MockClock) -> None:
+    ops, fake = _ops(attr_timeout=10.0)
+    async with trio.open_nursery() as n:
+        n.start_soon(ops.sweep_inode_readers)  # sweeps at t=10, 20, ...
+        await trio.sleep(1)
+        await ops.read_inode(21, 0, 1, CTX)
+        await ops.read_inode(22, 0, 1, CTX)
+        await trio.sleep(10)  # t=11: the sweep at t=10 found none idle for 10 s
+        assert list(ops.inode_readers) == [21, 22]
+        await trio.sleep(4)
+        await ops.read_inode(22, 0, 1, CTX)  # t=15
+        await trio.sleep(6)  # t=21: the sweep at t=20 let 21 go (idle since t=1), kept 22
+        assert list(ops.inode_readers) == [22]
+        assert len(fake.released) == 1
+        n.cancel_scope.cancel()

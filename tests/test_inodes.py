@@ -116,3 +116,39 @@ def test_path_index_matches_a_scan(tmp_path_factory, ops):
             assert sorted(map(id, table.at_path(p))) == sorted(
                 id(e) for e in scan if e.lookups > 0)
     assert table.paths_held() <= len(table.by_inode)
+
+
+def test_a_backing_number_reused_or_renamed_behind_our_back_gets_a_new_inode(tmp_path):
+    """A name replaced behind tierfs' back, then the old object's number reused by a new file
+    (the filesystem recycles numbers), while the kernel still holds the old inode: the new file
+    gets an inode of its own, never the old one (which served it the old name's content). A
+    file renamed behind our back gets a new inode too; a hard link keeps one inode."""
+    back = tmp_path / "back"
+    back.mkdir()
+    (back / "a").write_bytes(b"A-v1")
+    table = InodeTable(BackingTree(os.fsencode(back)))
+    tree = table.tree
+    old = table.remember(b"a", tree.lstat(b"a"))
+    a_v1 = tree.lstat(b"a")
+    # "a" replaced by a rename; then a new file "b" turns up with a-v1's (dev, ino)
+    (back / "a.tmp").write_bytes(b"A-v2")
+    os.rename(back / "a.tmp", back / "a")
+    (back / "b").write_bytes(b"B")
+    new = table.remember(b"b", a_v1)  # as if the filesystem gave b a-v1's number
+    assert new is not old and new.inode != old.inode and new.path == b"b"
+    assert old.path == b"a"  # an open of the old inode finds the new a there (ESTALE, relookup)
+    assert table.by_dev_ino[(a_v1.st_dev, a_v1.st_ino)] is new
+    assert table.get(old.inode) is old  # the kernel still holds it: still served to its handles
+
+    # renamed behind our back: a new inode under the new name
+    (back / "c").write_bytes(b"C")
+    c = table.remember(b"c", tree.lstat(b"c"))
+    os.rename(back / "c", back / "c2")
+    c2 = table.remember(b"c2", tree.lstat(b"c2"))
+    assert c2 is not c and c2.path == b"c2"
+
+    # a hard link: one inode, two names
+    (back / "h").write_bytes(b"H")
+    h = table.remember(b"h", tree.lstat(b"h"))
+    os.link(back / "h", back / "h2")
+    assert table.remember(b"h2", tree.lstat(b"h2")) is h

@@ -162,3 +162,60 @@ def test_kernel_opens_false_asks_the_daemon_at_every_open(tiermount, tmp_path: P
     doc = m.stats()
     assert doc["fuse"]["kernel_opens"] is False and doc["transport"]["requests_by_opcode"]["open"] >= 2
     _refused(os.open, str(m.mnt / "f"), os.O_WRONLY)
+
+
+@pytest.mark.native_only
+def test_kernel_opens_a_reader_of_a_file_replaced_behind_tierfs_back_reads_the_old_one_to_its_end(
+        tiermount, tmp_path: Path) -> None:
+    """The kernel's inode is the object it opened: after a replace by rename (the safe-update
+    pattern of checkpoints and shards), an open descriptor reads the old file to its end, as on
+    a local filesystem, and a new open gets the new file (its own inode)."""
+    back = tmp_path / "back"
+    (back / "f").write_bytes(b"A" * (2 * MiB))
+    m = tiermount(ram="64MiB", extra=("-o", "ro,attr_timeout=1"))
+    with open(m.mnt / "f", "rb", buffering=0) as f:
+        assert f.read(512 * KiB) == b"A" * (512 * KiB)
+        (back / "f.tmp").write_bytes(b"B" * (2 * MiB))
+        os.rename(back / "f.tmp", back / "f")
+        time.sleep(1.6)  # past attr_timeout: the daemon checks its read handle again
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the rest comes as READs
+        rest = f.read()
+    assert rest == b"A" * (2 * MiB - 512 * KiB)
+    assert (m.mnt / "f").read_bytes() == b"B" * (2 * MiB)
+
+
+@pytest.mark.native_only
+def test_kernel_opens_see_an_in_place_change_that_keeps_size_and_mtime(tiermount, tmp_path: Path) -> None:
+    """``rsync --inplace -a`` or ``cp -p`` over a file: same size, same mtime, new content. The
+    kernel drops cached pages only on a size or mtime change; the daemon sees the new ctime at
+    the GETATTR after attr_timeout and has the kernel drop them."""
+    back = tmp_path / "back"
+    (back / "f").write_bytes(b"OLD-" * 4096)
+    m = tiermount(ram="64MiB", extra=("-o", "ro,attr_timeout=1"))
+    assert (m.mnt / "f").read_bytes() == b"OLD-" * 4096  # in the page cache now
+    st = os.stat(back / "f")
+    time.sleep(0.05)
+    with open(back / "f", "r+b") as f:
+        f.write(b"NEW-" * 4096)
+    os.utime(back / "f", ns=(st.st_atime_ns, st.st_mtime_ns))
+    time.sleep(1.6)
+    os.stat(m.mnt / "f")  # the GETATTR that finds the new ctime
+    for _ in range(50):  # the kernel drops the pages from a thread of the daemon: moments
+        if (m.mnt / "f").read_bytes() == b"NEW-" * 4096:
+            break
+        time.sleep(0.1)
+    assert (m.mnt / "f").read_bytes() == b"NEW-" * 4096
+    assert m.stats()["fuse"]["inode_invalidations"] >= 1
+
+
+def test_umount_flush_of_a_read_only_mount_waits_for_what_a_crash_left(tiermount, tmp_path: Path) -> None:
+    m = tiermount(ram="64MiB", extra=("-o", "writeback_hold=600,writeback_deadline=3600"))
+    (m.mnt / "ck.bin").write_bytes(b"checkpoint" * 1000)
+    m.kill9()
+    assert not (tmp_path / "back" / "ck.bin").exists()  # dirty in the RAM write tier
+    m.args += ["-o", "ro"]
+    m.start()  # recovery: written back at once on a read-only mount
+    assert (m.mnt / "ck.bin").read_bytes() == b"checkpoint" * 1000
+    r = tierfs_cmd("umount", "--flush", str(m.mnt))
+    assert "read-only" in r.stdout
+    assert (tmp_path / "back" / "ck.bin").read_bytes() == b"checkpoint" * 1000

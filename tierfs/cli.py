@@ -219,8 +219,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
             return 0
         raise
     if args.flush and os.statvfs(mnt).f_flag & os.ST_RDONLY:
-        # (the daemon still writes back, before it exits, what a crash left in its write tier)
-        print("tierfs: a read-only mount: nothing was written through it")
+        # Nothing is written through it, but files a crash left in its write tier are written
+        # back by its daemon; its control file takes no flush (it cannot be opened for writing),
+        # so wait on its stats until none is left (a daemon that exits first leaves them in
+        # the tier, where a RAM tier loses them at the next reboot)
+        n = _wait_written_back(mnt)
+        print(f"tierfs: a read-only mount; waited for {n} file(s) a crash left to be written back" if n
+              else "tierfs: a read-only mount: every file was on the backing store already")
     elif args.flush:
         reply = _flush(mnt, [], 1e9)
         if not reply.get("ok"):
@@ -242,6 +247,18 @@ def cmd_umount(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
     return 0
+
+
+def _wait_written_back(mnt: str) -> int:
+    """Wait until the daemon of ``mnt`` holds no dirty file (its ``stats.json``); returns how
+    many it held at first. Ctrl-C works between the polls."""
+    first = None
+    while True:
+        left = json.loads(_read_control(mnt, "stats.json"))["writeback"]["dirty_files"]
+        first = left if first is None else first
+        if not left:
+            return first
+        time.sleep(0.2)
 
 
 def _unreachable(mountpoint: str, e: OSError, op: str) -> MountError:

@@ -73,6 +73,9 @@ def split_options(text: str) -> tuple[list[str], str | None, set[str]]:
             config = item.partition("=")[2]
             if not config:
                 raise ConfigError("config: expected config=FILE (a TOML file of tierfs options)")
+        elif item == "rw":  # the last of ro and rw wins, as mount(8) reads them
+            generic.add(key)
+            items = [i for i in items if i != "ro"]
         elif item in GENERIC or item.startswith(GENERIC_PREFIXES):
             generic.add(key)
         else:

@@ -10,6 +10,7 @@ import errno
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -38,7 +39,7 @@ from tierfs.config import (
     effective_allow_other,
     who_can_use,
 )
-from tierfs.errors import MountError
+from tierfs.errors import MountError, TierfsError
 from tierfs.fs.control import ControlPlane
 from tierfs.fs.ctl import ControlCommands
 from tierfs.fs.handlers import Handlers
@@ -543,6 +544,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["fuse"]["kernel_opens"] = control.kernel_opens
         doc["fuse"]["inode_readers"] = len(ops.inode_readers)
         doc["fuse"]["inode_reader_opens"] = ops.inode_reader_opens
+        doc["fuse"]["inode_invalidations"] = ops.inode_invalidations  # pages dropped: changed in place
         doc["hints"] = hints.statistics()
         doc["control"] = ctl.statistics()
         doc["loop"] = watch.as_dict() if watch is not None else None
@@ -617,6 +619,16 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
                 log.warning("recovery after a crash: %d dirty files will be written back", recovered)
             await nursery.start(writeback.run)
             await nursery.start(hints.run)
+            if cfg.ro and recovered:
+                # nothing is written through a read-only mount: holding what a crash left in the
+                # write tier gains nothing; written back now (`tierfs umount --flush` waits)
+                async def write_back_recovered() -> None:
+                    try:
+                        await writeback.wait_durable(None, math.inf)
+                    except (TierfsError, OSError) as e:
+                        log.error("write-back of the files a crash left: %s (retried on schedule)", e)
+
+                nursery.start_soon(write_back_recovered)
 
             async def fuse_main() -> None:
                 await session.main()
@@ -644,6 +656,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
             nursery.start_soon(fuse_main)
             nursery.start_soon(on_signal)
+            if control.kernel_opens:
+                nursery.start_soon(ops.sweep_inode_readers)
             nursery.start_soon(logevents.watch, writeback.statistics, log)
             if cfg.read_ahead_kb:
                 try:

@@ -59,9 +59,9 @@ MAX_PENDING_BYTES = 4 * wire.MAX_REQUEST_BYTES
 # every other user, root included, out of the control plane. Root is held to no budget (its
 # requests are the operator's; the bytes it may hold are bounded by its open descriptors).
 MAX_USER_PENDING_BYTES = 2 * wire.MAX_REQUEST_BYTES
-# control-file contents kept between a GETATTR and its READs on a mount whose opens the kernel
-# answers (ControlPlane.attrs): a few files for each of the last users (stats.json is ~10 KiB)
-RENDERED_MAX = 64
+# what control files show on a mount whose opens the kernel answers (ControlPlane.attrs): the
+# view of a user other than root, for everyone
+SHARED_VIEW_UID = 65534
 # how long one rendering answers a user's GETATTRs and READs (ns): see ControlPlane.attrs
 RENDER_STABLE_NS = 1_000_000_000
 
@@ -80,10 +80,10 @@ class ControlPlane:
         self.by_name: dict[bytes, ControlFile] = {}
         self.by_inode: dict[int, ControlFile] = {}
         # a read-only mount whose opens the kernel answers (Handlers.read_inode): no open makes a
-        # snapshot, so each GETATTR of a file renders it for its caller, kept here for the READs
-        # that follow: (inode, uid) -> content, the last RENDERED_MAX
+        # snapshot, so a GETATTR of a file renders it, kept here for the READs that follow:
+        # inode -> (content, time_ns)
         self.kernel_opens = False
-        self.rendered: dict[tuple[int, int], tuple[bytes, int]] = {}  # (content, time_ns)
+        self.rendered: dict[int, tuple[bytes, int]] = {}
         items: list[tuple[str, Callable[[int], bytes], Command | None]] = [
             (n, r, None) for n, r in files.items()]
         items += [(n, lambda uid: b"", c) for n, c in (commands or {}).items()]
@@ -127,15 +127,18 @@ class ControlPlane:
         """Attributes of the control directory or one of its files (owned by the daemon's user;
         a command file is writable by all: a request acts with the opener's rights).
 
-        With :attr:`kernel_opens` and the caller's ``uid``, a read-only file is rendered now
-        for that caller and kept for the READs that follow (:meth:`read_rendered`): its size is
-        the content's, its mtime now, and its attributes are never cached (``attr_timeout``
-        0), so the kernel asks again before each read(2) and drops its pages of the old
-        content (auto_inval_data): the page cache it keeps across the opens it answers never
-        serves an old snapshot. A rendering is kept for :data:`RENDER_STABLE_NS`: a reader
-        whose read(2) calls each ask again (a short read, then one at the end) must not get the
-        end of a newer rendering of another size (torn JSON, seen at once when each GETATTR
-        rendered anew)."""
+        With :attr:`kernel_opens` (and a caller), a read-only file is rendered now and kept for
+        the READs that follow (:meth:`read_rendered`): its size is the content's, its mtime
+        the rendering's, and its attributes are never cached (``attr_timeout`` 0), so the
+        kernel asks again before each read(2) and drops its pages of an older rendering
+        (auto_inval_data): the page cache it keeps across the opens it answers never serves an
+        old snapshot. A rendering is kept for :data:`RENDER_STABLE_NS`: a reader whose read(2)
+        calls each ask again (a short read, then one at the end) must not get the end of a
+        newer rendering of another size (torn JSON, seen at once when each GETATTR rendered
+        anew). It is the one every user other than root gets (:data:`SHARED_VIEW_UID`), for
+        every caller: the kernel keeps one page cache per file for all users, so a rendering
+        per caller gave one user another's (root's, with the paths of quarantined files) and
+        tore each other's JSON."""
         size, when = 0, 0
         if inode == CONTROL_DIR:
             mode, nlink = stat.S_IFDIR | 0o555, 2
@@ -145,30 +148,29 @@ class ControlPlane:
             if self.kernel_opens:
                 attr_timeout = 0.0
                 if uid is not None and cf.command is None:
-                    now = time.time_ns()
-                    got = self.rendered.get((inode, uid))
-                    if got is None or now - got[1] > RENDER_STABLE_NS:
-                        got = (cf.render(uid), now)
-                    # (last: the least recently asked goes first)
-                    self.rendered.pop((inode, uid), None)
-                    self.rendered[(inode, uid)] = got
-                    while len(self.rendered) > RENDERED_MAX:
-                        del self.rendered[next(iter(self.rendered))]
+                    got = self._rendering(cf)
                     size, when = len(got[0]), got[1]
         return Attr(st_ino=inode, entry_timeout=attr_timeout, attr_timeout=attr_timeout,
                     st_mode=mode, st_nlink=nlink, st_uid=os.getuid(), st_gid=os.getgid(),
                     st_size=size, st_mtime_ns=when, st_ctime_ns=when)
 
     def read_rendered(self, inode: int, uid: int, off: int, size: int) -> bytes:
-        """``size`` bytes at ``off`` of control file ``inode`` as last rendered for ``uid``
-        (:meth:`attrs`; rendered now if it was not). A command file reads empty: its requests
+        """``size`` bytes at ``off`` of control file ``inode`` as last rendered (:meth:`attrs`;
+        the same for every caller, ``uid`` included). A command file reads empty: its requests
         need a read-write mount (its replies come on the descriptor that wrote them)."""
         cf = self.by_inode[inode]
         if cf.command is not None:
             return b""
-        got = self.rendered.get((inode, uid))
-        data = cf.render(uid) if got is None else got[0]
-        return data[off : off + size]
+        return self._rendering(cf, fresh=False)[0][off : off + size]
+
+    def _rendering(self, cf: ControlFile, fresh: bool = True) -> tuple[bytes, int]:
+        """The kept rendering of ``cf`` (content, time_ns): a new one if none is kept, or if
+        ``fresh`` and the kept one is older than :data:`RENDER_STABLE_NS`."""
+        now = time.time_ns()
+        got = self.rendered.get(cf.inode)
+        if got is None or (fresh and now - got[1] > RENDER_STABLE_NS):
+            got = self.rendered[cf.inode] = (cf.render(SHARED_VIEW_UID), now)
+        return got
 
     def lookup(self, name: bytes, attr_timeout: float, uid: int | None = None) -> Attr:
         cf = self.by_name.get(name)

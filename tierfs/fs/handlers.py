@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 import stat
 import time
@@ -172,7 +173,8 @@ class _InodeReader:
     with ``kernel_opens``): its READs carry no handle."""
 
     fh: int
-    opened: float  # time.monotonic() of its open (the identity check)
+    opened: float  # time.monotonic() of its open, or of its last identity check
+    used: float = 0.0  # time.monotonic() of its last READ (idle ones are let go)
     reading: int = 0  # READs in flight on it (a release waits for them)
     dropped: bool = False  # let go: released when the last READ in flight ends
 
@@ -273,6 +275,10 @@ class Handlers:
         self.inode_reader_opens = 0
         self.inode_readers_max = min(INODE_READERS_MAX, _nofile() // 2)
         self._inode_opening: dict[int, trio.Event] = {}  # inode -> set when its open ends
+        # the transport's: drop the kernel's cached pages and attributes of an inode (a file
+        # changed in place behind tierfs' back on a mount whose opens the kernel answers)
+        self.on_inval_inode: Callable[[int], None] | None = None
+        self.inode_invalidations = 0
         self.read_bytes = 0
         self.max_read = 0
         self.writes = 0
@@ -724,6 +730,7 @@ class Handlers:
                 return self.control.read_rendered(inode, ctx.uid, off, size)
         r = await self._inode_reader(inode, ctx)
         r.reading += 1
+        r.used = time.monotonic()
         try:
             return await self.read(r.fh, off, size)
         finally:
@@ -752,6 +759,7 @@ class Handlers:
         if data is None:
             return None
         self.inode_readers.move_to_end(inode)
+        r.used = time.monotonic()
         self.requests["read"] += 1
         self.reads += 1
         self.read_bytes += size
@@ -762,21 +770,82 @@ class Handlers:
 
     async def _inode_reader(self, inode: int, ctx: RequestCtx) -> _InodeReader:
         """The implicit read handle of ``inode``, opened if it has none (single-flight: the
-        kernel's readahead sends a file's first READs together; each opened one)."""
+        kernel's readahead sends a file's first READs together; each opened one). One older
+        than ``attr_timeout`` is checked against the backing file first
+        (:meth:`_still_current`) and opened again only if the file changed in place."""
         while (opening := self._inode_opening.get(inode)) is not None:
             await opening.wait()
         r = self.inode_readers.get(inode)
-        if r is not None:
-            if time.monotonic() - r.opened <= self.attr_timeout:
-                self.inode_readers.move_to_end(inode)
-                return r
-            await self._drop_inode_reader(inode)
+        if r is not None and time.monotonic() - r.opened <= self.attr_timeout:
+            self.inode_readers.move_to_end(inode)
+            return r
         self._inode_opening[inode] = done = trio.Event()
         try:
+            if r is not None:
+                if await self._still_current(inode, r):
+                    r.opened = time.monotonic()
+                    self.inode_readers.move_to_end(inode)
+                    return r
+                await self._drop_inode_reader(inode)
+                self._inval_inode(inode)
             return await self._open_inode_reader(inode, ctx)
         finally:
             del self._inode_opening[inode]
             done.set()
+
+    async def _still_current(self, inode: int, r: _InodeReader) -> bool:
+        """Whether implicit read handle ``r`` still serves what the kernel's inode is: False
+        only when the backing file it holds changed in place (same device and inode number,
+        another size, mtime or ctime: then it is opened again, for the new content). A name
+        that now names another object, or nothing, keeps it: the kernel's inode is the object
+        it opened (a reader of a file replaced by a rename reads the old file to its end, as on
+        a local filesystem; the new one gets an inode of its own at its lookup)."""
+        h = self.handles.handles.get(r.fh)
+        entry = self.inodes.by_inode.get(inode)
+        if not isinstance(h, FileHandle) or h.file is None or entry is None or entry.path is None:
+            return True
+        try:
+            st = await self.meta.run(self.tree.lstat, self.inodes.rel(entry))
+        except OSError:
+            return True
+        i = h.file.identity
+        if (st.st_dev, st.st_ino) != (i.dev, i.ino):
+            return True
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (i.size, i.mtime_ns, i.ctime_ns)
+
+    def _changed_in_place(self, entry: InodeEntry) -> None:
+        """The namespace told the kernel new attributes of ``entry``'s backing object, changed
+        in place behind tierfs' back (a LOOKUP or GETATTR after attr_timeout: at a path walk,
+        a stat, a read(2)). With opens answered by the kernel, nothing else would drop its cached
+        pages when the size and mtime did not change: they go now, and the inode's implicit
+        read handle is checked at its next READ."""
+        r = self.inode_readers.get(entry.inode)
+        if r is not None:
+            r.opened = -math.inf
+        self._inval_inode(entry.inode)
+
+    def _inval_inode(self, inode: int) -> None:
+        """Have the kernel drop its cached pages of ``inode``: with opens answered by the
+        kernel, nothing else drops them when a file changed in place behind tierfs' back
+        without a new size or mtime (``rsync --inplace -a``, ``cp -p`` restore the mtime; the
+        kernel drops pages only on a size or mtime change, auto_inval_data)."""
+        if self.on_inval_inode is not None:
+            self.inode_invalidations += 1
+            self.on_inval_inode(inode)
+
+    async def sweep_inode_readers(self) -> None:
+        """Let go, every ``attr_timeout`` (at least 1 s), of the implicit read handles nothing
+        read for ``attr_timeout``: each holds its backing file open (a file deleted in the
+        backing directory kept its space; the kernel forgets inodes only under memory
+        pressure, so idle handles used to pile up to the cap). Runs for the mount's life."""
+        while True:
+            await trio.sleep(max(self.attr_timeout, 1.0))
+            now = time.monotonic()
+            for inode, r in list(self.inode_readers.items()):  # least recently read first
+                if now - r.used <= self.attr_timeout:
+                    break
+                if r.reading == 0 and self.inode_readers.get(inode) is r:
+                    await self._drop_inode_reader(inode)
 
     async def _open_inode_reader(self, inode: int, ctx: RequestCtx) -> _InodeReader:
         try:
@@ -795,7 +864,8 @@ class Handlers:
         # READs may add theirs and make it the oldest) before its READ counts as in flight
         while self.inode_readers and len(self.inode_readers) >= self.inode_readers_max:
             await self._drop_inode_reader(next(iter(self.inode_readers)))
-        r = self.inode_readers[inode] = _InodeReader(opened.fh, time.monotonic())
+        now = time.monotonic()
+        r = self.inode_readers[inode] = _InodeReader(opened.fh, now, now)
         return r
 
     async def _drop_inode_reader(self, inode: int) -> None:

@@ -169,6 +169,9 @@ class Namespace:
         self.find_open: Callable[[str], BackingFile | None] | None = None
         # ... and by path: the file a prefetch holds open at a path relative to the root
         self.find_held: Callable[[bytes], BackingFile | None] | None = None
+        # a backing object whose attributes the kernel was told changed in place (same device and
+        # inode number) behind tierfs' back: set on a mount whose opens the kernel answers
+        self.on_changed_in_place: Callable[[InodeEntry], None] | None = None
         self.openings = Openings()  # shared with the prefetcher by the mount
         # path -> (trio time, lstat) of the last lookup, for the open that follows it
         self._looked_up: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
@@ -219,7 +222,10 @@ class Namespace:
     def clean_attrs(self, entry: InodeEntry, st: os.stat_result, *, nlink: int | None = None) -> Attr:
         """The reply for a backing object's attributes ``st``; remembered as what the kernel
         was told (an open compares the backing file with it: module docstring)."""
-        entry.told = told_key(st)
+        old, entry.told = entry.told, told_key(st)
+        if self.on_changed_in_place is not None and old is not None and old != entry.told \
+                and old[:2] == entry.told[:2]:
+            self.on_changed_in_place(entry)
         return self.attrs(entry.inode, st, nlink=nlink)
 
     async def dirty_attrs(self, entry: InodeEntry, df: DirtyFile) -> Attr:
