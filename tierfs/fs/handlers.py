@@ -720,11 +720,12 @@ class Handlers:
         the inode and no handle). Served through the inode's implicit read-only handle, opened
         at its first READ as an OPEN would be (permissions were checked by the kernel at the
         open(2): ``default_permissions``) and kept, with its readahead state, until the kernel
-        forgets the inode, until it is older than ``attr_timeout`` (then opened again, with
-        the identity check of an open: a change made behind tierfs' back is seen within
-        ``attr_timeout``) or until more than :attr:`inode_readers_max` are kept (the least
-        recently read goes). A control file's READ gets its content as rendered for the
-        caller's last GETATTR (:meth:`ControlPlane.read_rendered`). Raises FuseError."""
+        forgets the inode, until nothing read it for ``attr_timeout``
+        (:meth:`sweep_inode_readers`) or until more than :attr:`inode_readers_max` are kept (the
+        least recently read goes); one older than ``attr_timeout`` is checked against the
+        backing file first (:meth:`_inode_reader`: a change made behind tierfs' back is seen
+        within ``attr_timeout``). A control file's READ gets its last rendering, the same for
+        every caller (:meth:`ControlPlane.read_rendered`). Raises FuseError."""
         if self._is_control(inode):
             with self._op("read"):
                 return self.control.read_rendered(inode, ctx.uid, off, size)
