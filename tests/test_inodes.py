@@ -118,11 +118,11 @@ def test_path_index_matches_a_scan(tmp_path_factory, ops):
     assert table.paths_held() <= len(table.by_inode)
 
 
-def test_a_backing_number_reused_or_renamed_behind_our_back_gets_a_new_inode(tmp_path):
+def test_a_backing_number_reused_behind_our_back_gets_a_new_inode(tmp_path):
     """A name replaced behind tierfs' back, then the old object's number reused by a new file
     (the filesystem recycles numbers), while the kernel still holds the old inode: the new file
     gets an inode of its own, never the old one (which served it the old name's content). A
-    file renamed behind our back gets a new inode too; a hard link keeps one inode."""
+    file renamed behind our back keeps its inode; a hard link keeps one inode."""
     back = tmp_path / "back"
     back.mkdir()
     (back / "a").write_bytes(b"A-v1")
@@ -140,12 +140,22 @@ def test_a_backing_number_reused_or_renamed_behind_our_back_gets_a_new_inode(tmp
     assert table.by_dev_ino[(a_v1.st_dev, a_v1.st_ino)] is new
     assert table.get(old.inode) is old  # the kernel still holds it: still served to its handles
 
-    # renamed behind our back: a new inode under the new name
+    # renamed behind our back (nothing at the old name): the same inode, under the new name (a
+    # directory's open descriptors keep working; its st_ino does not change)
     (back / "c").write_bytes(b"C")
     c = table.remember(b"c", tree.lstat(b"c"))
     os.rename(back / "c", back / "c2")
-    c2 = table.remember(b"c2", tree.lstat(b"c2"))
-    assert c2 is not c and c2.path == b"c2"
+    assert table.remember(b"c2", tree.lstat(b"c2")) is c and c.path == b"c2"
+
+    # two names swapped behind our back: each object its own inode again
+    (back / "s").write_bytes(b"S")
+    (back / "t").write_bytes(b"T")
+    s_, t_ = table.remember(b"s", tree.lstat(b"s")), table.remember(b"t", tree.lstat(b"t"))
+    os.rename(back / "s", back / "x")
+    os.rename(back / "t", back / "s")
+    os.rename(back / "x", back / "t")
+    assert table.remember(b"t", tree.lstat(b"t")) is not s_
+    assert table.remember(b"s", tree.lstat(b"s")) is not t_
 
     # a hard link: one inode, two names
     (back / "h").write_bytes(b"H")

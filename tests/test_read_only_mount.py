@@ -183,6 +183,22 @@ def test_kernel_opens_a_reader_of_a_file_replaced_behind_tierfs_back_reads_the_o
     assert rest == b"A" * (2 * MiB - 512 * KiB)
     assert (m.mnt / "f").read_bytes() == b"B" * (2 * MiB)
 
+    # a reader that pauses for several attr_timeouts (the idle handles are swept each one)
+    # after its file was replaced, or deleted: still the old file, never the new one's bytes
+    for how in ("replaced", "deleted"):
+        (back / how).write_bytes(b"O" * (2 * MiB))
+        time.sleep(1.2)  # (a new name: the parent's listing is cached for attr_timeout)
+        with open(m.mnt / how, "rb", buffering=0) as f:
+            assert f.read(MiB) == b"O" * MiB
+            if how == "replaced":
+                (back / "n.tmp").write_bytes(b"N" * (2 * MiB))
+                os.rename(back / "n.tmp", back / how)
+            else:
+                os.unlink(back / how)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            time.sleep(3.5)
+            assert f.read() == b"O" * MiB, how
+
 
 @pytest.mark.native_only
 def test_kernel_opens_see_an_in_place_change_that_keeps_size_and_mtime(tiermount, tmp_path: Path) -> None:

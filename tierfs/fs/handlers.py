@@ -23,7 +23,7 @@ import math
 import os
 import stat
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -277,8 +277,9 @@ class Handlers:
         self._inode_opening: dict[int, trio.Event] = {}  # inode -> set when its open ends
         # the transport's: drop the kernel's cached pages and attributes of an inode (a file
         # changed in place behind tierfs' back on a mount whose opens the kernel answers)
-        self.on_inval_inode: Callable[[int], None] | None = None
+        self.on_inval_inode: Callable[[int], Awaitable[None]] | None = None
         self.inode_invalidations = 0
+        self._pending_invals: list[int] = []  # inodes whose pages go before the next reply
         self.read_bytes = 0
         self.max_read = 0
         self.writes = 0
@@ -332,7 +333,10 @@ class Handlers:
                 return self.control.lookup(name, self.attr_timeout, None if ctx is None else ctx.uid)
             if parent_inode == ROOT and name == CONTROL_NAME:
                 return self.control.attrs(CONTROL_DIR, self.attr_timeout)
-            return await self.ns.lookup(parent_inode, name)
+            a = await self.ns.lookup(parent_inode, name)
+            if self._pending_invals:
+                await self._send_invals()
+            return a
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         self.requests["forget"] += 1
@@ -350,7 +354,10 @@ class Handlers:
         with self._op("getattr"):
             if self._is_control(inode):
                 return self.control.attrs(inode, self.attr_timeout, None if ctx is None else ctx.uid)
-            return await self.ns.entry_attrs(self.inodes.get(inode))
+            a = await self.ns.entry_attrs(self.inodes.get(inode))
+            if self._pending_invals:
+                await self._send_invals()
+            return a
 
     async def readlink(self, inode: int, ctx: RequestCtx | None = None) -> bytes:
         with self._op("readlink"):
@@ -787,12 +794,29 @@ class Handlers:
                     r.opened = time.monotonic()
                     self.inode_readers.move_to_end(inode)
                     return r
+                # (its cached pages are dropped by the LOOKUP or GETATTR that tells the kernel
+                # the new attributes, never from here: this READ's own pages are locked until
+                # it is answered, and an invalidation waits for them: a deadlock, seen)
                 await self._drop_inode_reader(inode)
-                self._inval_inode(inode)
             return await self._open_inode_reader(inode, ctx)
         finally:
             del self._inode_opening[inode]
             done.set()
+
+    async def _names_its_object(self, inode: int, r: _InodeReader) -> bool | None:
+        """Whether the name of ``inode`` still names the backing object implicit read handle
+        ``r`` holds (same device and inode number): True, False (another object, or nothing),
+        or None when ``r`` holds no backing file (a dirty file's handle)."""
+        h = self.handles.handles.get(r.fh)
+        entry = self.inodes.by_inode.get(inode)
+        if not isinstance(h, FileHandle) or h.file is None or entry is None or entry.path is None:
+            return None
+        try:
+            st = await self.meta.run(self.tree.lstat, self.inodes.rel(entry))
+        except OSError:
+            return False
+        i = h.file.identity
+        return (st.st_dev, st.st_ino) == (i.dev, i.ino)
 
     async def _still_current(self, inode: int, r: _InodeReader) -> bool:
         """Whether implicit read handle ``r`` still serves what the kernel's inode is: False
@@ -823,29 +847,43 @@ class Handlers:
         r = self.inode_readers.get(entry.inode)
         if r is not None:
             r.opened = -math.inf
-        self._inval_inode(entry.inode)
+        self._pending_invals.append(entry.inode)
 
-    def _inval_inode(self, inode: int) -> None:
-        """Have the kernel drop its cached pages of ``inode``: with opens answered by the
-        kernel, nothing else drops them when a file changed in place behind tierfs' back
-        without a new size or mtime (``rsync --inplace -a``, ``cp -p`` restore the mtime; the
-        kernel drops pages only on a size or mtime change, auto_inval_data)."""
-        if self.on_inval_inode is not None:
-            self.inode_invalidations += 1
-            self.on_inval_inode(inode)
+    async def _send_invals(self) -> None:
+        """Have the kernel drop its cached pages of the inodes :meth:`_changed_in_place`
+        named, before the reply that told it their new attributes goes (else the read(2)
+        that asked could still read old pages: a whole-file read was seen half old, half new).
+        With opens answered by the kernel, nothing else drops them when a file changed in place
+        behind tierfs' back without a new size or mtime (``rsync --inplace -a``, ``cp -p``
+        restore the mtime; the kernel drops pages only on a size or mtime change,
+        auto_inval_data). The transport writes each from a thread while this loop serves on
+        (the kernel waits for locked pages, which READs in flight hold). Only from LOOKUP and
+        GETATTR: the kernel locks no page of the file while it waits for those (a READ's
+        pages stay locked until its reply, so a READ must never wait for this)."""
+        while self._pending_invals:
+            inode = self._pending_invals.pop()
+            if self.on_inval_inode is not None:
+                self.inode_invalidations += 1
+                await self.on_inval_inode(inode)
 
     async def sweep_inode_readers(self) -> None:
         """Let go, every ``attr_timeout`` (at least 1 s), of the implicit read handles nothing
         read for ``attr_timeout``: each holds its backing file open (a file deleted in the
         backing directory kept its space; the kernel forgets inodes only under memory
-        pressure, so idle handles used to pile up to the cap). Runs for the mount's life."""
+        pressure, so idle handles used to pile up to the cap). Only those whose name still
+        names the object they hold: one opened again later gets that same object. A handle
+        whose file was replaced or deleted behind tierfs' back stays until the kernel forgets
+        the inode (or the cap lets it go): a program may hold that file open, pausing, and must
+        read the old file to its end, not the new one (or fail). Runs for the mount's life."""
         while True:
             await trio.sleep(max(self.attr_timeout, 1.0))
             now = time.monotonic()
             for inode, r in list(self.inode_readers.items()):  # least recently read first
                 if now - r.used <= self.attr_timeout:
                     break
-                if r.reading == 0 and self.inode_readers.get(inode) is r:
+                if r.reading == 0 and self.inode_readers.get(inode) is r \
+                        and await self._names_its_object(inode, r) is not False \
+                        and r.reading == 0 and self.inode_readers.get(inode) is r:
                     await self._drop_inode_reader(inode)
 
     async def _open_inode_reader(self, inode: int, ctx: RequestCtx) -> _InodeReader:
@@ -860,6 +898,16 @@ class Handlers:
             # new size at its next GETATTR (attr_timeout) and drops its pages then
             # (auto_inval_data)
             opened = await self.open(inode, os.O_RDONLY, ctx)
+        h = self.handles.handles.get(opened.fh)
+        entry = self.inodes.by_inode.get(inode)
+        if isinstance(h, FileHandle) and h.file is not None and entry is not None and entry.dev_ino[0] >= 0 \
+                and (h.file.identity.dev, h.file.identity.ino) != entry.dev_ino:
+            # the name names another object now (replaced or swapped behind tierfs' back) and
+            # this inode's own is no longer held: never serve the other one's bytes (a reader
+            # that paused got the new file's rest after its old file's start); a stale handle,
+            # as NFS answers
+            await self.release(opened.fh)
+            raise FuseError(errno.ESTALE)
         self.inode_reader_opens += 1
         # room first: a release awaits, and the new reader must not be let go meanwhile (other
         # READs may add theirs and make it the oldest) before its READ counts as in flight

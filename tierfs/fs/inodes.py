@@ -256,33 +256,36 @@ class InodeTable:
         """The inode for a backing object, created if new; one lookup is added."""
         key = (st.st_dev, st.st_ino)
         entry = self.by_dev_ino.get(key)
-        if entry is not None and entry.path is not None and entry.path != path \
-                and not self._names(entry.path, key):
-            # Its name no longer names this backing object: renamed behind our back, or
-            # deleted and its number reused by a new object while the kernel still holds the
-            # old inode (an open file). A new inode either way; the old one keeps its name
-            # (an open of it finds the new object there and answers ESTALE, so the kernel
-            # looks the name up again) and its open handles, but no longer maps this key.
-            # Re-pathing the old inode instead served a new file the content of another
-            # (the old name's), whatever their modes.
-            del self.by_dev_ino[key]
-            entry = None
+        if entry is not None and entry.path is not None and entry.path != path:
+            there = self._at_path(entry.path)
+            if there is None:
+                self._set_path(entry, path)  # renamed behind our back (a file or a directory)
+            elif there != key:
+                # Its old name names another object now (replaced by a rename, or two names
+                # swapped), and this object turns up under a new name: the key may be a number
+                # the filesystem recycled for a new object while the kernel still holds the old
+                # inode. A new inode; the old one keeps its name (an open of it finds the new
+                # object there and answers ESTALE, so the kernel looks the name up again) and
+                # its open handles, but no longer maps this key. Re-pathing the old inode
+                # served a new file the content of another (the old name's), whatever the modes.
+                del self.by_dev_ino[key]
+                entry = None
+            # (else a hard link: one inode, two names; it keeps its first)
         if entry is None:
             entry = InodeEntry(self.number_for(key), path, key, regular=stat.S_ISREG(st.st_mode))
             self._add(entry)
-        elif entry.path != path and entry.path is None:
+        elif entry.path is None:
             self._set_path(entry, path)
         entry.lookups += 1
         return entry
 
-    def _names(self, path: bytes, key: tuple[int, int]) -> bool:
-        """Whether ``path`` names backing object ``key`` = (st_dev, st_ino) now (a hard link
-        of it keeps one inode under two names)."""
+    def _at_path(self, path: bytes) -> tuple[int, int] | None:
+        """The backing (st_dev, st_ino) that ``path`` names now; None if nothing."""
         try:
             st = self.tree.lstat_or_none(path)
         except OSError:  # ENOTDIR, ELOOP (a symlink swapped in on the way): not there for us
-            return False
-        return st is not None and (st.st_dev, st.st_ino) == key
+            return None
+        return None if st is None else (st.st_dev, st.st_ino)
 
     def forget(self, inode: int, n: int) -> None:
         entry = self.by_inode.get(inode)

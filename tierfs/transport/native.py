@@ -689,21 +689,17 @@ class NativeSession:
                     if self.pt is not None:
                         self.pt.released(fh)
 
-    def _inval_inode(self, inode: int) -> None:
+    async def _inval_inode(self, inode: int) -> None:
         """FUSE_NOTIFY_INVAL_INODE for ``inode`` (its cached pages and attributes), written from
-        a thread: the kernel locks the inode's pages to drop them, and a page may be locked
-        for a READ this loop has yet to answer (a write from the loop would then wait forever;
-        libfuse's notify docs warn of the same)."""
-        trio.lowlevel.spawn_system_task(self._write_notify, c.notify_inval_inode(inode, 0, 0))
-
-    async def _write_notify(self, data: bytes) -> None:
+        a thread while this loop serves on: the kernel locks the inode's pages to drop them,
+        and a page may be locked for a READ this loop has yet to answer (a write from the loop
+        would then wait forever; libfuse's notify docs warn of the same)."""
         try:
-            await trio.to_thread.run_sync(os.write, self.fd, data, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(os.write, self.fd, c.notify_inval_inode(inode, 0, 0),
+                                          abandon_on_cancel=True)
         except OSError as e:  # ENOENT: the kernel holds no such inode any more; ENODEV: unmounted
             if e.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
                 log.warning("native transport: invalidation refused by the kernel: %s", e)
-        except BaseException:  # noqa: BLE001 - a system task must not raise (trio.Cancelled included)
-            pass
 
     def _send(self, data: bytes) -> bool:
         return self._send_raw([data])
