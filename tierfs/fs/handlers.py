@@ -803,40 +803,33 @@ class Handlers:
             del self._inode_opening[inode]
             done.set()
 
-    async def _names_its_object(self, inode: int, r: _InodeReader) -> bool | None:
-        """Whether the name of ``inode`` still names the backing object implicit read handle
-        ``r`` holds (same device and inode number): True, False (another object, or nothing),
-        or None when ``r`` holds no backing file (a dirty file's handle)."""
+    async def _backing_now(self, inode: int, r: _InodeReader) -> str:
+        """What the name of ``inode`` names now, against the backing file implicit read handle
+        ``r`` holds: ``"same"`` (the same object, unchanged), ``"changed"`` (the same device
+        and inode number, another size, mtime or ctime: changed in place), ``"other"`` (another
+        object, or nothing) or ``"none"`` (``r`` holds no backing file: a dirty file's handle)."""
         h = self.handles.handles.get(r.fh)
         entry = self.inodes.by_inode.get(inode)
         if not isinstance(h, FileHandle) or h.file is None or entry is None or entry.path is None:
-            return None
+            return "none"
         try:
             st = await self.meta.run(self.tree.lstat, self.inodes.rel(entry))
         except OSError:
-            return False
+            return "other"
         i = h.file.identity
-        return (st.st_dev, st.st_ino) == (i.dev, i.ino)
+        if (st.st_dev, st.st_ino) != (i.dev, i.ino):
+            return "other"
+        same = (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (i.size, i.mtime_ns, i.ctime_ns)
+        return "same" if same else "changed"
 
     async def _still_current(self, inode: int, r: _InodeReader) -> bool:
         """Whether implicit read handle ``r`` still serves what the kernel's inode is: False
-        only when the backing file it holds changed in place (same device and inode number,
-        another size, mtime or ctime: then it is opened again, for the new content). A name
-        that now names another object, or nothing, keeps it: the kernel's inode is the object
-        it opened (a reader of a file replaced by a rename reads the old file to its end, as on
-        a local filesystem; the new one gets an inode of its own at its lookup)."""
-        h = self.handles.handles.get(r.fh)
-        entry = self.inodes.by_inode.get(inode)
-        if not isinstance(h, FileHandle) or h.file is None or entry is None or entry.path is None:
-            return True
-        try:
-            st = await self.meta.run(self.tree.lstat, self.inodes.rel(entry))
-        except OSError:
-            return True
-        i = h.file.identity
-        if (st.st_dev, st.st_ino) != (i.dev, i.ino):
-            return True
-        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (i.size, i.mtime_ns, i.ctime_ns)
+        only when the backing file it holds changed in place (then it is opened again, for the
+        new content). A name that now names another object, or nothing, keeps it: the kernel's
+        inode is the object it opened (a reader of a file replaced by a rename reads the old
+        file to its end, as on a local filesystem; the new one gets an inode of its own at its
+        lookup)."""
+        return await self._backing_now(inode, r) != "changed"
 
     def _changed_in_place(self, entry: InodeEntry) -> None:
         """The namespace told the kernel new attributes of ``entry``'s backing object, changed
@@ -882,7 +875,7 @@ class Handlers:
                 if now - r.used <= self.attr_timeout:
                     break
                 if r.reading == 0 and self.inode_readers.get(inode) is r \
-                        and await self._names_its_object(inode, r) is not False \
+                        and await self._backing_now(inode, r) != "other" \
                         and r.reading == 0 and self.inode_readers.get(inode) is r:
                     await self._drop_inode_reader(inode)
 
