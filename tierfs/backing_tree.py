@@ -390,6 +390,37 @@ class BackingTree:
         with self.parent(rel) as (dfd, name):
             os.unlink(name, dir_fd=dfd)
 
+    def unlink_stat_dir(self, rel: bytes) -> os.stat_result:
+        """:meth:`unlink`, then the ``fstat`` of the directory it was in, through the
+        descriptor the unlink resolved (no second walk): its attributes right after."""
+        with self.parent(rel) as (dfd, name):
+            os.unlink(name, dir_fd=dfd)
+            return os.fstat(dfd)
+
+    def probe_create(self, rel: bytes, name_too: bool) -> tuple[os.stat_result, os.stat_result | None]:
+        """Before ``rel`` is created: ``(fstat of its parent directory, lstat of rel or None
+        if it does not exist)``, with one walk (the lstat only if ``name_too``). Resolving
+        the parent refuses a directory swapped for a symlink (ELOOP) or a file (ENOTDIR)."""
+        with self.parent(rel) as (dfd, name):
+            pst = os.fstat(dfd)
+            if not stat.S_ISDIR(pst.st_mode):  # the root: only ever a directory
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", rel)
+            if not name_too:
+                return pst, None
+            try:
+                return pst, os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return pst, None
+
+    def touch_stat(self, rel: bytes) -> os.stat_result:
+        """:meth:`touch`, then the object's ``lstat`` (its times as set), with one walk."""
+        if not rel:
+            os.utime(proc_path(self.fd))
+            return os.fstat(self.fd)
+        with self.parent(rel) as (dfd, name):
+            os.utime(name, dir_fd=dfd, follow_symlinks=False)
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+
     def unlink_quiet(self, rel: bytes) -> None:
         try:
             self.unlink(rel)

@@ -125,6 +125,8 @@ _SUIDGID = stat.S_ISUID | stat.S_ISGID
 # its inode, which lstat checks.
 # (RELEASE, RELEASEDIR and FORGET do not go through _op: a passthrough writer's writes are
 # taken in at its release while it still counts as passing through, see _open_backing.)
+# requests that may create, remove or rename a name (Namespace.begin_ns_change)
+_NAME_CHANGES = frozenset({"create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename"})
 _CHANGES_NOTHING = frozenset({"getattr", "lookup", "open", "read", "readdir", "readlink", "getxattr",
                               "listxattr", "statfs", "opendir", "flush", "fsync", "fsyncdir"})
 
@@ -134,12 +136,14 @@ class _Op:
     errors mapped as :func:`fuse_errors` maps them (a class, not a generator: this runs for
     every request)."""
 
-    __slots__ = ("ns", "seconds", "t0", "what")
+    __slots__ = ("names", "ns", "seconds", "t0", "what")
 
-    def __init__(self, what: str, seconds: collections.defaultdict[str, float], ns: Namespace | None) -> None:
+    def __init__(self, what: str, seconds: collections.defaultdict[str, float], ns: Namespace | None,
+                 names: bool = False) -> None:
         self.what = what
         self.seconds = seconds
         self.ns = ns  # the namespace told of a request that may change a file (end_change at exit)
+        self.names = names  # ... and that it may create, remove or rename a name (end_ns_change)
         self.t0 = 0.0
 
     def __enter__(self) -> None:
@@ -149,10 +153,28 @@ class _Op:
         self.seconds[self.what] += time.perf_counter() - self.t0
         if self.ns is not None:
             self.ns.end_change()
+            if self.names:
+                self.ns.end_ns_change()
         if e is None or isinstance(e, (FuseError, trio.Cancelled)) or not isinstance(e, Exception):
             return
         with fuse_errors(self.what):
             raise e
+
+
+class _OwnAttrsChange:
+    """:meth:`Handlers._own_attrs_change` (a class: it runs for every SETATTR)."""
+
+    __slots__ = ("ns", "path")
+
+    def __init__(self, ns: Namespace, path: bytes | None) -> None:
+        self.ns = ns
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.ns.dir_may_change(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        self.ns.dir_may_change(self.path)
 
 
 @contextmanager
@@ -307,6 +329,9 @@ class Handlers:
             changes = what not in _CHANGES_NOTHING
         if changes:
             self.ns.begin_change()
+            if what in _NAME_CHANGES:
+                self.ns.begin_ns_change()
+                return _Op(what, self.request_seconds, self.ns, True)
             return _Op(what, self.request_seconds, self.ns)
         return _Op(what, self.request_seconds, None)
 
@@ -322,6 +347,13 @@ class Handlers:
     @property
     def open_files(self) -> dict[str, BackingFile]:
         return self.ns.open_files
+
+    def _own_attrs_change(self, inode: int) -> _OwnAttrsChange:
+        """``with``: around a change of ``inode``'s own attributes (a directory's among them),
+        what was seen of a directory right after a change in it no longer stands, at the
+        start nor at the end (:meth:`Namespace.dir_may_change`)."""
+        entry = self.inodes.by_inode.get(inode)
+        return _OwnAttrsChange(self.ns, None if entry is None else entry.path)
 
     def _is_control(self, inode: int) -> bool:
         return inode == CONTROL_DIR or inode in self.control.by_inode
@@ -390,7 +422,7 @@ class Handlers:
             return [n.encode("utf-8", "surrogateescape") for n in names]  # type: ignore[union-attr]
 
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: RequestCtx | None = None) -> None:
-        with self._op("setxattr"):
+        with self._op("setxattr"), self._own_attrs_change(inode):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             entry = self.inodes.get(inode)
@@ -400,7 +432,7 @@ class Handlers:
             await self.meta.run(self.tree.setxattr, self.inodes.rel(entry), name, value)
 
     async def removexattr(self, inode: int, name: bytes, ctx: RequestCtx | None = None) -> None:
-        with self._op("removexattr"):
+        with self._op("removexattr"), self._own_attrs_change(inode):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             entry = self.inodes.get(inode)
@@ -498,7 +530,7 @@ class Handlers:
             await self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     async def setattr(self, inode: int, attr: SetAttr, fh: int | None = None, ctx: RequestCtx | None = None) -> Attr:
-        with self._op("setattr"):
+        with self._op("setattr"), self._own_attrs_change(inode):
             if self._is_control(inode):
                 raise FuseError(errno.EPERM)
             a = await self.ns.setattr(inode, attr)
@@ -690,7 +722,9 @@ class Handlers:
             entry.orphan.acquire()
             entry.orphan.opens += 1
         else:
-            raise FuseError(errno.ENOENT)
+            # unlinked while no handle had it open (Namespace.preserve): ESTALE, on which the
+            # kernel looks the name up again (and answers ENOENT), as if the unlink came first
+            raise FuseError(errno.ESTALE)
         return OpenReply(self.handles.add(h), keep_cache=True)
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

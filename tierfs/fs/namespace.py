@@ -123,16 +123,6 @@ def _truncate_backing(tree: BackingTree, rel: bytes, size: int) -> None:
         os.close(fd)
 
 
-def _new_owner_gid(tree: BackingTree, parent: bytes, gid: int) -> int:
-    """The group of a new object in ``parent``: the directory's own if it is setgid (as a
-    local filesystem does), else the caller's ``gid``. Resolving the parent also refuses a
-    directory swapped for a symlink (ELOOP) before anything is created under it."""
-    pst = tree.lstat(parent)
-    if not stat.S_ISDIR(pst.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory")
-    return pst.st_gid if pst.st_mode & stat.S_ISGID else gid
-
-
 class Namespace:
     """Args:
         tree: the backing tree; every backing-store access goes through it (never a path
@@ -180,6 +170,14 @@ class Namespace:
         # a file (:meth:`begin_change`)
         self._opened: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
         self.opened_stats = 0  # GETATTRs answered from the fstat of the open just before
+        # (directory path, trio time, fstat, namespace generation) right after the last change
+        # of names made through tierfs (a create, an unlink), for the GETATTR of that directory
+        # the kernel sends next (:meth:`saw_dir`); requests that may create, remove or rename a
+        # name, in flight, and their count (bumped at each one's start and end)
+        self._dir_seen: tuple[bytes, float, os.stat_result, int] | None = None
+        self._ns_changing = 0
+        self._ns_gen = 0
+        self.dir_stats = 0  # GETATTRs of a directory answered from the fstat of a change just before
         # requests that may change a file, in flight; bumped at each one's start and end: an
         # open whose fstat may have raced one keeps nothing (backing_file)
         self._changing = 0
@@ -278,6 +276,14 @@ class Namespace:
             if fd is None:
                 raise FileNotFoundError(2, "unlinked")
             return os.fstat(fd)
+        seen_dir = self._dir_seen
+        if seen_dir is not None and seen_dir[0] == entry.path:
+            self._dir_seen = None
+            if (self._ns_changing == 0 and self._ns_gen == seen_dir[3] + 1
+                    and trio.current_time() - seen_dir[1] <= LOOKED_UP_S
+                    and (seen_dir[2].st_dev, seen_dir[2].st_ino) == entry.dev_ino):
+                self.dir_stats += 1
+                return seen_dir[2]
         if self._opened:
             # A program's open(2) is followed at once by an fstat (Python's open() does one,
             # as does stdio's buffering), and the kernel sends that fstat as a GETATTR whenever
@@ -308,6 +314,34 @@ class Namespace:
             # attributes for the held inode (the kernel would take it for a type change)
             raise FileNotFoundError(errno.ENOENT, "gone from the backing store")
         return st
+
+    def saw_dir(self, path: bytes, st: os.stat_result) -> None:
+        """Directory ``path`` was just changed through tierfs (a name created or removed in
+        it) and ``st`` is its ``fstat`` right after. The kernel drops a directory's attributes
+        after each such change (``fuse_dir_changed``), and with ``default_permissions`` the
+        permission check of the next change in it asks for them again: ``rm -rf`` and
+        ``tar -x`` cost a GETATTR of the directory per file. That GETATTR is answered from
+        ``st`` (:meth:`lstat`) if it comes within ``LOOKED_UP_S`` and no other request that
+        may create, remove or rename a name started meanwhile (this one's own end is the one
+        counted), nor a change of the directory's own attributes (:meth:`dir_may_change`):
+        as fresh as an ``lstat`` then, at no metadata call. Call it inside a request counted
+        by :meth:`begin_ns_change`, after its last await."""
+        self._dir_seen = (path, trio.current_time(), st, self._ns_gen)
+
+    def dir_may_change(self, path: bytes | None) -> None:
+        """The object at ``path`` may have its own attributes changed now (a SETATTR, an
+        xattr): a directory's attributes seen after a change in it no longer stand."""
+        if self._dir_seen is not None and self._dir_seen[0] == path:
+            self._dir_seen = None
+
+    def begin_ns_change(self) -> None:
+        """A request that may create, remove or rename a name starts (:meth:`saw_dir`)."""
+        self._ns_changing += 1
+        self._ns_gen += 1
+
+    def end_ns_change(self) -> None:
+        self._ns_changing -= 1
+        self._ns_gen += 1
 
     async def entry_attrs(self, entry: InodeEntry) -> Attr:
         if entry.dirty is not None:
@@ -451,12 +485,18 @@ class Namespace:
         opened for writing (the creator's handle: the caller gives it back with
         ``WriteBack.closed(df, True)``)."""
         path = self.new_child(parent_inode, name)
-        existing = await self.exists(path)
+        existing: os.stat_result | DirtyFile | None = self.wb.get(path)
         if existing is not None and flags & os.O_EXCL:
             raise FuseError(errno.EEXIST)
         # the parent is resolved beneath the backing root first (a directory swapped for a
-        # symlink is refused here) and gives the group of the new file if it is setgid
-        gid = await self.meta.run(_new_owner_gid, self.tree, split(path)[0], ctx.gid)
+        # symlink is refused here) and gives the group of the new file if it is setgid; the
+        # name's lstat comes with it (one walk for both)
+        pst, st = await self.meta.run(self.tree.probe_create, path, existing is None)
+        if existing is None:
+            existing = st
+            if existing is not None and flags & os.O_EXCL:
+                raise FuseError(errno.EEXIST)
+        gid = pst.st_gid if pst.st_mode & stat.S_ISGID else ctx.gid
         df = await self.wb.create(path, stat.S_IFREG | (mode & 0o7777), ctx.uid, gid)
         # opened at once, before the next await: a dirty file with no writer is the write-back's
         # to take, and it took new files here, wrote them back empty and closed their data
@@ -468,7 +508,7 @@ class Namespace:
             elif existing is None:
                 # a new name: the directory changed now, not at write-back (POSIX; pjdfstest
                 # open/00.t), and write-back keeps the directory's times as they are then
-                await self.meta.run(self.tree.touch, split(path)[0])
+                self.saw_dir(split(path)[0], await self.meta.run(self.tree.touch_stat, split(path)[0]))
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.wb.closed(df, True)
@@ -498,17 +538,27 @@ class Namespace:
             self.inodes.rekey(entry, (st.st_dev, st.st_ino))
         return await self.lookup_path(new_path)
 
-    async def preserve(self, path: bytes) -> None:
+    async def preserve(self, path: bytes, *, opened_only: bool = False) -> None:
         """Before ``path`` is unlinked or renamed over: an inode the kernel still holds for it
         (a process looked the name up and may open it next, e.g. a reader racing ``os.replace``)
         stays openable with its old content until the kernel forgets it, as on a local fs: a
-        clean file through a held backing fd, a dirty one by keeping its data file."""
+        clean file through a held backing fd, a dirty one by keeping its data file.
+
+        ``opened_only`` (an unlink): a clean file is kept only while a handle has it open (an
+        open of ``/proc/PID/fd/N`` reaches the inode with no name). An open that resolved the
+        name before the unlink and reaches the daemon after it gets ``ESTALE``, on which the
+        kernel looks the name up again (``do_filp_open``, ``LOOKUP_REVAL``) and answers
+        ``ENOENT``: as if the unlink had come first, which it may have. Keeping every
+        looked-up file was an ``open`` and a ``close`` of its backing file per unlink (a fifth
+        of ``rm -rf``'s time in the daemon)."""
         for entry in self.inodes.at_path(path):
             df = entry.dirty
             if df is not None and df.state.value != "clean":
                 if not entry.kept:
                     df.keep += 1
                     entry.kept = True
+            elif opened_only and not self.handles.of_inode(entry.inode):
+                continue
             elif entry.orphan is None and entry.regular:
                 # Opened at once, with no lstat first (a third of an unlink's time in the
                 # daemon for rm -rf, cProfile): the open refuses what is no longer a regular
@@ -524,22 +574,22 @@ class Namespace:
 
     async def unlink(self, parent_inode: int, name: bytes) -> None:
         path = self.new_child(parent_inode, name)
-        await self.preserve(path)
+        await self.preserve(path, opened_only=True)
         df = self.wb.get(path)
         if df is None:
             # a clean object: unlinkat(2) answers as POSIX does (ENOENT; EISDIR for a directory)
             # without an lstat first (one metadata call per file less for rm -rf)
-            await self.meta.run(self.tree.unlink, path)
-            self.inodes.detach(path)
-            return
-        await self.wb.unlink(df)
-        # stat the backing store only now: a write-back may have just put the file there
-        st = await self.meta.run(lstat_or_none, self.tree, path)
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            await self.meta.run(self.tree.unlink, path)
-        else:  # only the write tier had it: the directory changed all the same
-            await self.meta.run(self.tree.touch, split(path)[0])
+            dst = await self.meta.run(self.tree.unlink_stat_dir, path)
+        else:
+            await self.wb.unlink(df)
+            # stat the backing store only now: a write-back may have just put the file there
+            st = await self.meta.run(lstat_or_none, self.tree, path)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                dst = await self.meta.run(self.tree.unlink_stat_dir, path)
+            else:  # only the write tier had it: the directory changed all the same
+                dst = await self.meta.run(self.tree.touch_stat, split(path)[0])
         self.inodes.detach(path)
+        self.saw_dir(split(path)[0], dst)
 
     async def _rename_checks(self, old: bytes, new: bytes, flags: int) -> tuple[os.stat_result | DirtyFile, bool]:
         """The source, and whether it is a directory; the errno POSIX gives if the rename
