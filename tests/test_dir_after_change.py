@@ -1,5 +1,5 @@
 """The GETATTR of a directory right after a name was created or removed in it through tierfs is
-answered by the ``fstat`` that change took of it (Namespace.saw_dir), in-process: only the
+answered by the ``fstat`` that change took of it (a create, mkdir, mknod, symlink or unlink) (Namespace.saw_dir), in-process: only the
 next one, only within ``LOOKED_UP_S``, and only when no other change of names, nor a change of
 the directory's own attributes, came between. And an unlink keeps a clean file's content only
 for an inode a handle has open (Namespace.preserve). (Through a real mount:
@@ -53,20 +53,30 @@ async def test_a_directory_changed_through_tierfs_answers_its_next_getattr_from_
         assert ns.dir_stats == 2
         assert _same_times(a, os.lstat(disks.back / "d"))
 
+        # a mkdir (the directory's link count grows) and a symlink likewise
+        await ops.mkdir(d.st_ino, b"sub", 0o755, CTX)
+        a = await ops.getattr(d.st_ino)
+        assert ns.dir_stats == 3
+        assert _same_times(a, os.lstat(disks.back / "d")) and a.st_nlink == 3
+        await ops.symlink(d.st_ino, b"ln", b"target", CTX)
+        a = await ops.getattr(d.st_ino)
+        assert ns.dir_stats == 4
+        assert _same_times(a, os.lstat(disks.back / "d"))
+
         # another change of names between them: an lstat
         await ops.unlink(d.st_ino, b"b")
         (disks.back / "other").mkdir()
         o = await ops.lookup(ROOT, b"other")
         await ops.rmdir(ROOT, b"other")
         await ops.getattr(d.st_ino)
-        assert ns.dir_stats == 2
+        assert ns.dir_stats == 4
         del o
 
         # a change of the directory's own attributes between them: an lstat, which sees it
         await ops.unlink(d.st_ino, b"c")
         await ops.setattr(d.st_ino, SetAttr(mode=0o700))
         a = await ops.getattr(d.st_ino)
-        assert ns.dir_stats == 2
+        assert ns.dir_stats == 4
         assert a.st_mode & 0o777 == 0o700
 
         # too late: an lstat
@@ -74,7 +84,7 @@ async def test_a_directory_changed_through_tierfs_answers_its_next_getattr_from_
         await ops.release(fi.fh)
         await trio.sleep(0.25)  # past LOOKED_UP_S
         await ops.getattr(d.st_ino)
-        assert ns.dir_stats == 2
+        assert ns.dir_stats == 4
 
 
 async def test_a_change_in_flight_keeps_nothing_for_the_directory(tmp_path: Path) -> None:

@@ -334,6 +334,12 @@ class BackingTree:
         ``/proc/self/fd/N``, which names exactly that inode. The owner goes first: a chown
         clears the setgid bit. Returns the new object's ``lstat``. Raises OSError (EEXIST, ...).
         """
+        return self.make_node_in(rel, mode, uid, gid, device)[0]
+
+    def make_node_in(self, rel: bytes, mode: int, uid: int, gid: int,
+                     device: int = 0) -> tuple[os.stat_result, os.stat_result]:
+        """:meth:`make_node`, returning ``(the new object's lstat, its directory's fstat
+        after)``: the directory's through the descriptor it was made in (no second walk)."""
         with self.parent(rel) as (dfd, name):
             pst = os.fstat(dfd)
             perm = mode & 0o7777
@@ -352,7 +358,7 @@ class BackingTree:
                     raise OSError(errno.ELOOP, "created object was swapped", rel)
                 os.chown(proc_path(fd), uid, gid)
                 os.chmod(proc_path(fd), perm)
-                return os.fstat(fd)
+                return os.fstat(fd), os.fstat(dfd)
             finally:
                 os.close(fd)
 
@@ -362,6 +368,11 @@ class BackingTree:
         O_NOFOLLOW`` in the same parent descriptor, checked to be a symlink, and changed with
         ``fchownat(fd, "", AT_EMPTY_PATH)``, so a name swapped meanwhile (a hard link to
         another's file) is never chowned. Returns its ``lstat``. Raises OSError."""
+        return self.make_symlink_in(target, rel, uid, gid)[0]
+
+    def make_symlink_in(self, target: bytes, rel: bytes, uid: int,
+                        gid: int) -> tuple[os.stat_result, os.stat_result]:
+        """:meth:`make_symlink`, returning ``(its lstat, its directory's fstat after)``."""
         with self.parent(rel) as (dfd, name):
             pst = os.fstat(dfd)
             if pst.st_mode & stat.S_ISGID:
@@ -374,7 +385,7 @@ class BackingTree:
                 if _libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH) != 0:
                     e = ctypes.get_errno()
                     raise OSError(e, os.strerror(e), rel)
-                return os.fstat(fd)
+                return os.fstat(fd), os.fstat(dfd)
             finally:
                 os.close(fd)
 

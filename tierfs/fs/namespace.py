@@ -352,8 +352,9 @@ class Namespace:
         return self.clean_attrs(entry, st, nlink=0 if held_dirty else None)
 
     # -- names -----------------------------------------------------------------------------
-    async def lookup_path(self, path: bytes) -> Attr:
-        """Resolve a path of the merged view; one lookup is added to the inode returned."""
+    async def lookup_path(self, path: bytes, st: os.stat_result | None = None) -> Attr:
+        """Resolve a path of the merged view; one lookup is added to the inode returned.
+        ``st``: the backing object's ``lstat`` if the caller has just taken it (it made it)."""
         df = self.wb.get(path)
         if df is not None:
             entry = self.inodes.remember_dirty(path, df)
@@ -361,7 +362,8 @@ class Namespace:
             # lookup would never be forgotten); a data file's fstat is short
             with trio.CancelScope(shield=True):
                 return await self.dirty_attrs(entry, df)
-        st = await self.meta.run(self.tree.lstat, path)
+        if st is None:
+            st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
         if stat.S_ISREG(st.st_mode):
             self._looked_up[path] = (trio.current_time(), st)
@@ -439,8 +441,10 @@ class Namespace:
         path = self.new_child(parent_inode, name)
         if self.wb.get(path) is not None:
             raise FuseError(errno.EEXIST)
-        await self.meta.run(self.tree.make_node, path, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
-        return await self.lookup_path(path)
+        st, dst = await self.meta.run(self.tree.make_node_in, path, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+        a = await self.lookup_path(path, st)
+        self.saw_dir(split(path)[0], dst)
+        return a
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: RequestCtx) -> Attr:
         """A fifo, socket (``bind()`` of a Unix socket), empty regular file or, for root,
@@ -453,8 +457,10 @@ class Namespace:
             raise FuseError(errno.EPERM)  # the kernel checks CAP_MKNOD too
         if await self.exists(path) is not None:
             raise FuseError(errno.EEXIST)
-        await self.meta.run(self.tree.make_node, path, kind | (mode & 0o7777), ctx.uid, ctx.gid, rdev)
-        return await self.lookup_path(path)
+        st, dst = await self.meta.run(self.tree.make_node_in, path, kind | (mode & 0o7777), ctx.uid, ctx.gid, rdev)
+        a = await self.lookup_path(path, st)
+        self.saw_dir(split(path)[0], dst)
+        return a
 
     async def rmdir(self, parent_inode: int, name: bytes) -> None:
         path = self.new_child(parent_inode, name)
@@ -476,8 +482,10 @@ class Namespace:
         path = self.new_child(parent_inode, name)
         if self.wb.get(path) is not None:
             raise FuseError(errno.EEXIST)
-        await self.meta.run(self.tree.make_symlink, target, path, ctx.uid, ctx.gid)
-        return await self.lookup_path(path)
+        st, dst = await self.meta.run(self.tree.make_symlink_in, target, path, ctx.uid, ctx.gid)
+        a = await self.lookup_path(path, st)
+        self.saw_dir(split(path)[0], dst)
+        return a
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestCtx) -> tuple[InodeEntry, DirtyFile]:
