@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import trio
 
 from tests.test_getattr_after_open import _handlers
 from tests.test_writeback_inprocess import Disks, instance
+from tierfs.fs import namespace as nsmod
 from tierfs.fs.api import Ctx, FuseError, SetAttr
 from tierfs.fs.inodes import ROOT, InodeTable
 
@@ -115,13 +117,13 @@ async def test_an_unlink_keeps_a_clean_file_only_for_a_handle_that_has_it_open(t
         fi = await ops.open(held.st_ino, os.O_RDONLY, CTX)
         opens = wb.tree.opens
 
-        # looked up, not open: nothing is opened to keep it; a late open gets ESTALE (the
-        # kernel then looks the name up again and answers ENOENT)
+        # looked up, not open: nothing is opened to keep it; a late open (one that raced the
+        # unlink) gets ENOENT, as if the unlink came first
         await ops.unlink(ROOT, b"looked")
         assert wb.tree.opens == opens
         with pytest.raises(FuseError) as e:
             await ops.open(looked.st_ino, os.O_RDONLY, CTX)
-        assert e.value.errno == errno.ESTALE
+        assert e.value.errno == errno.ENOENT
 
         # open: kept, and a second open of the inode (/proc/PID/fd/N) reads the old content
         await ops.unlink(ROOT, b"held")
@@ -132,3 +134,118 @@ async def test_an_unlink_keeps_a_clean_file_only_for_a_handle_that_has_it_open(t
         assert (await ops.getattr(held.st_ino)).st_nlink == 0
         await ops.release(fi2.fh)
         await ops.release(fi.fh)
+
+
+async def test_a_late_open_of_an_unlinked_hard_link_is_told_to_look_the_name_up_again(tmp_path: Path) -> None:
+    """A file with another name: the open that raced the unlink of one gets ESTALE, on which
+    the kernel looks the name it opened up again (it may be the other one)."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "a").write_bytes(b"linked")
+    os.link(disks.back / "a", disks.back / "b")
+    async with instance(disks, deadline_s=3600) as wb:
+        ops = _handlers(wb, InodeTable(wb.tree))
+        a = await ops.lookup(ROOT, b"a")
+        await ops.unlink(ROOT, b"a")
+        with pytest.raises(FuseError) as e:
+            await ops.open(a.st_ino, os.O_RDONLY, CTX)
+        assert e.value.errno == errno.ESTALE
+        b = await ops.lookup(ROOT, b"b")  # the kernel's second lookup
+        fi = await ops.open(b.st_ino, os.O_RDONLY, CTX)
+        assert os.pread(ops.handles.get(fi.fh).file.fd, 10, 0) == b"linked"
+        await ops.release(fi.fh)
+
+
+async def test_an_open_in_flight_at_the_unlink_keeps_the_file_for_a_reopen(tmp_path: Path) -> None:
+    """An OPEN of a clean file is in flight (its backing file open, its handle not yet made)
+    when the name is unlinked, so the unlink sees no handle and keeps nothing: a reopen of
+    that open file's inode (``/proc/PID/fd/N``) still reads it, through that handle's file."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "f").write_bytes(b"content")
+    async with instance(disks, deadline_s=3600) as wb:
+        ops = _handlers(wb, InodeTable(wb.tree))
+        f = await ops.lookup(ROOT, b"f")
+        real_bf = ops.ns.backing_file
+        opened, go = trio.Event(), trio.Event()
+
+        async def slow_backing_file(*a, **k):  # type: ignore[no-untyped-def]
+            bf = await real_bf(*a, **k)
+            if not opened.is_set():
+                opened.set()
+                await go.wait()  # the UNLINK runs here
+            return bf
+
+        ops.ns.backing_file = slow_backing_file  # type: ignore[method-assign]
+        fis = []
+        async with trio.open_nursery() as n:
+            async def first_open() -> None:
+                fis.append(await ops.open(f.st_ino, os.O_RDONLY, CTX))
+            n.start_soon(first_open)
+            await opened.wait()
+            await ops.unlink(ROOT, b"f")
+            go.set()
+        ops.ns.backing_file = real_bf  # type: ignore[method-assign]
+        again = await ops.open(f.st_ino, os.O_RDONLY, CTX)
+        assert os.pread(ops.handles.get(again.fh).file.fd, 100, 0) == b"content"
+        await ops.release(again.fh)
+        await ops.release(fis[0].fh)
+
+
+async def test_a_chmod_of_the_directory_while_a_create_stats_it_is_not_hidden(tmp_path: Path) -> None:
+    """The create's fstat of the directory was taken before a whole chmod of it ran (the
+    create's metadata call finished late): the GETATTR after both sees the chmod."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "d").mkdir()
+    os.chmod(disks.back / "d", 0o777)
+    async with instance(disks, deadline_s=3600) as wb:
+        ops = _handlers(wb, InodeTable(wb.tree))
+        d = await ops.lookup(ROOT, b"d")
+        real = wb.tree.touch_stat
+        taken, go = threading.Event(), threading.Event()
+
+        def late_touch_stat(rel):  # type: ignore[no-untyped-def]
+            st = real(rel)
+            taken.set()
+            go.wait(5)
+            return st
+
+        wb.tree.touch_stat = late_touch_stat  # type: ignore[method-assign]
+        ops.ns.meta.run = ops.ns.meta.in_thread  # type: ignore[method-assign]  # (a thread: it can wait)
+        async with trio.open_nursery() as n:
+            async def create() -> None:
+                fi, _ = await ops.create(d.st_ino, b"f", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+                await ops.release(fi.fh)
+            n.start_soon(create)
+            await trio.to_thread.run_sync(taken.wait)
+            await ops.setattr(d.st_ino, SetAttr(mode=0o755))
+            go.set()
+        assert (await ops.getattr(d.st_ino)).st_mode & 0o7777 == 0o755
+
+
+async def test_the_reply_to_a_chmod_of_the_directory_is_never_a_create_s_fstat_from_before_it(tmp_path: Path) -> None:
+    """A chmod of the directory waits before its own call while a whole create runs in the
+    directory: the chmod's reply (cached by the kernel for attr_timeout) is the mode it set."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "d").mkdir()
+    os.chmod(disks.back / "d", 0o777)
+    async with instance(disks, deadline_s=3600) as wb:
+        ops = _handlers(wb, InodeTable(wb.tree))
+        d = await ops.lookup(ROOT, b"d")
+        real_run = ops.ns.meta.run
+        created = trio.Event()
+
+        async def run(fn, *args):  # type: ignore[no-untyped-def]
+            if fn is nsmod._setattr_backing:
+                await created.wait()
+            return await real_run(fn, *args)
+
+        ops.ns.meta.run = run  # type: ignore[method-assign]
+        replies = []
+        async with trio.open_nursery() as n:
+            async def chmod() -> None:
+                replies.append(await ops.setattr(d.st_ino, SetAttr(mode=0o755)))
+            n.start_soon(chmod)
+            await trio.sleep(0.01)
+            fi, _ = await ops.create(d.st_ino, b"f", 0o644, os.O_WRONLY | os.O_CREAT, CTX)
+            await ops.release(fi.fh)
+            created.set()
+        assert replies[0].st_mode & 0o7777 == 0o755

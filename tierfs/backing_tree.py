@@ -401,12 +401,16 @@ class BackingTree:
         with self.parent(rel) as (dfd, name):
             os.unlink(name, dir_fd=dfd)
 
-    def unlink_stat_dir(self, rel: bytes) -> os.stat_result:
-        """:meth:`unlink`, then the ``fstat`` of the directory it was in, through the
-        descriptor the unlink resolved (no second walk): its attributes right after."""
+    def unlink_stat_dir(self, rel: bytes) -> tuple[int, os.stat_result]:
+        """:meth:`unlink`, with one walk: ``(the object's link count before, the fstat of the
+        directory it was in right after)``, through the descriptor the unlink resolved."""
         with self.parent(rel) as (dfd, name):
+            try:
+                nlink = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_nlink
+            except FileNotFoundError:
+                nlink = 1  # (the unlink says why)
             os.unlink(name, dir_fd=dfd)
-            return os.fstat(dfd)
+            return nlink, os.fstat(dfd)
 
     def probe_create(self, rel: bytes, name_too: bool) -> tuple[os.stat_result, os.stat_result | None]:
         """Before ``rel`` is created: ``(fstat of its parent directory, lstat of rel or None

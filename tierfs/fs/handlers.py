@@ -164,17 +164,18 @@ class _Op:
 class _OwnAttrsChange:
     """:meth:`Handlers._own_attrs_change` (a class: it runs for every SETATTR)."""
 
-    __slots__ = ("ns", "path")
+    __slots__ = ("ns",)
 
-    def __init__(self, ns: Namespace, path: bytes | None) -> None:
+    def __init__(self, ns: Namespace | None) -> None:
         self.ns = ns
-        self.path = path
 
     def __enter__(self) -> None:
-        self.ns.dir_may_change(self.path)
+        if self.ns is not None:
+            self.ns.begin_attrs_change()
 
     def __exit__(self, *exc: object) -> None:
-        self.ns.dir_may_change(self.path)
+        if self.ns is not None:
+            self.ns.end_attrs_change()
 
 
 @contextmanager
@@ -349,11 +350,11 @@ class Handlers:
         return self.ns.open_files
 
     def _own_attrs_change(self, inode: int) -> _OwnAttrsChange:
-        """``with``: around a change of ``inode``'s own attributes (a directory's among them),
-        what was seen of a directory right after a change in it no longer stands, at the
-        start nor at the end (:meth:`Namespace.dir_may_change`)."""
+        """``with``: around a change of ``inode``'s own attributes: unless it is a regular
+        file, counted as a change of a directory's attributes (:meth:`Namespace.begin_attrs_change`:
+        the SETATTRs of the files ``tar -x`` makes leave their directory's alone)."""
         entry = self.inodes.by_inode.get(inode)
-        return _OwnAttrsChange(self.ns, None if entry is None else entry.path)
+        return _OwnAttrsChange(None if entry is not None and entry.regular else self.ns)
 
     def _is_control(self, inode: int) -> bool:
         return inode == CONTROL_DIR or inode in self.control.by_inode
@@ -680,10 +681,23 @@ class Handlers:
         # that writer's (a change: Handlers.open) sees handles > 0 here. An await added on that
         # path would need this check again after the fstat.
         tp = self.tier_passthrough.get(entry.inode)
-        bf = await self.ns.backing_file(self.inodes.rel(entry),
-                                        reader=not h.writer and (tp is None or tp.handles <= 0))
+        held = None
+        try:
+            bf = await self.ns.backing_file(self.inodes.rel(entry),
+                                            reader=not h.writer and (tp is None or tp.handles <= 0))
+        except FileNotFoundError:
+            # an unlink of the name is under way (its backing unlink done, its inode not yet
+            # detached: its metadata call ran in a thread): a reopen of a file another handle
+            # has open (/proc/PID/fd/N) reads what that handle opened, as after the unlink
+            # (that very object: no identity to compare with what the name named)
+            held = None if h.writer else self._held_file(entry.inode)
+            if held is None:
+                raise
+            held.acquire()
+            held.opens += 1
+            bf = held
         i = bf.identity
-        if entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns):
+        if held is None and entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns):
             if not entry.reval_sent:
                 # Changed behind tierfs' back since the kernel was told its attributes (it
                 # caches names and attributes for attr_timeout): ESTALE makes the VFS walk the
@@ -708,6 +722,10 @@ class Handlers:
         entry.last_key = key
         return OpenReply(self.handles.add(h), keep_cache=not changed)
 
+    def _held_file(self, inode: int) -> BackingFile | None:
+        """The backing file an open handle of ``inode`` reads, if one does."""
+        return next((o.file for o in self.handles.of_inode(inode) if o.file is not None and o.file.fd >= 0), None)
+
     def _open_unlinked(self, entry: InodeEntry, writer: bool) -> OpenReply:
         """Open of an inode whose name was unlinked or replaced after the kernel looked it up:
         the old content, kept by :meth:`Namespace.preserve` (reading only)."""
@@ -717,14 +735,20 @@ class Handlers:
         if entry.dirty is not None and entry.dirty.fd >= 0:
             h.dirty = entry.dirty
             self.wb.opened(entry.dirty, False)
-        elif entry.orphan is not None:
-            h.file = entry.orphan
-            entry.orphan.acquire()
-            entry.orphan.opens += 1
         else:
-            # unlinked while no handle had it open (Namespace.preserve): ESTALE, on which the
-            # kernel looks the name up again (and answers ENOENT), as if the unlink came first
-            raise FuseError(errno.ESTALE)
+            held = entry.orphan
+            if held is None:  # an open that was in flight at the unlink has it (/proc/PID/fd/N)
+                held = self._held_file(entry.inode)
+            if held is None:
+                # Unlinked while no handle had it open (Namespace.preserve): an open that raced
+                # the unlink. ENOENT, as if the unlink came first; ESTALE if the file has other
+                # names, on which the kernel looks the name it opened up again (once: ESTALE
+                # for a file of one name reached the caller when the name was made and
+                # unlinked again meanwhile)
+                raise FuseError(errno.ESTALE if entry.linked_elsewhere else errno.ENOENT)
+            h.file = held
+            held.acquire()
+            held.opens += 1
         return OpenReply(self.handles.add(h), keep_cache=True)
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

@@ -64,6 +64,9 @@ class InodeEntry:
     # a regular file when first looked up (an object keeps its type for its (dev, ino)): only
     # those are kept open by Namespace.preserve, which need not lstat the name first
     regular: bool = True
+    # unlinked through the mount while it had other names: an open racing the unlink is
+    # answered ESTALE (the kernel looks the name up again), where a file of one name gets ENOENT
+    linked_elsewhere: bool = False
 
 
 class InodeTable:
