@@ -199,16 +199,16 @@ async def test_a_chmod_of_the_directory_while_a_create_stats_it_is_not_hidden(tm
     async with instance(disks, deadline_s=3600) as wb:
         ops = _handlers(wb, InodeTable(wb.tree))
         d = await ops.lookup(ROOT, b"d")
-        real = wb.tree.touch_stat
+        real = wb.tree.touch
         taken, go = threading.Event(), threading.Event()
 
-        def late_touch_stat(rel):  # type: ignore[no-untyped-def]
+        def late_touch(rel):  # type: ignore[no-untyped-def]
             st = real(rel)
             taken.set()
             go.wait(5)
             return st
 
-        wb.tree.touch_stat = late_touch_stat  # type: ignore[method-assign]
+        wb.tree.touch = late_touch  # type: ignore[method-assign]
         ops.ns.meta.run = ops.ns.meta.in_thread  # type: ignore[method-assign]  # (a thread: it can wait)
         async with trio.open_nursery() as n:
             async def create() -> None:

@@ -416,25 +416,14 @@ class BackingTree:
         """Before ``rel`` is created: ``(fstat of its parent directory, lstat of rel or None
         if it does not exist)``, with one walk (the lstat only if ``name_too``). Resolving
         the parent refuses a directory swapped for a symlink (ELOOP) or a file (ENOTDIR)."""
-        with self.parent(rel) as (dfd, name):
+        with self.parent(rel) as (dfd, name):  # (opened O_DIRECTORY: a directory, or ENOTDIR)
             pst = os.fstat(dfd)
-            if not stat.S_ISDIR(pst.st_mode):  # the root: only ever a directory
-                raise NotADirectoryError(errno.ENOTDIR, "not a directory", rel)
             if not name_too:
                 return pst, None
             try:
                 return pst, os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 return pst, None
-
-    def touch_stat(self, rel: bytes) -> os.stat_result:
-        """:meth:`touch`, then the object's ``lstat`` (its times as set), with one walk."""
-        if not rel:
-            os.utime(proc_path(self.fd))
-            return os.fstat(self.fd)
-        with self.parent(rel) as (dfd, name):
-            os.utime(name, dir_fd=dfd, follow_symlinks=False)
-            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
 
     def unlink_quiet(self, rel: bytes) -> None:
         try:
@@ -476,15 +465,17 @@ class BackingTree:
         with self.parent(rel) as (dfd, name):
             os.utime(name, ns=ns, dir_fd=dfd, follow_symlinks=False)
 
-    def touch(self, rel: bytes) -> None:
+    def touch(self, rel: bytes) -> os.stat_result:
         """Set the object's access and modification times (and so its change time) to now: a
         directory whose entries changed only in the write tier (a file created, unlinked or
-        renamed before its write-back) shows the change at once, as on a local filesystem."""
+        renamed before its write-back) shows the change at once, as on a local filesystem.
+        Returns its ``lstat`` after (the times as set), with the same walk."""
         if not rel:
             os.utime(proc_path(self.fd))
-            return
+            return os.fstat(self.fd)
         with self.parent(rel) as (dfd, name):
             os.utime(name, dir_fd=dfd, follow_symlinks=False)
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
 
     def create_tmp(self, dir_rel: bytes, prefix: bytes) -> tuple[int, bytes]:
         """A new empty file ``prefix + <random>`` in directory ``dir_rel``, opened read-write

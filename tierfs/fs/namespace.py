@@ -170,7 +170,7 @@ class Namespace:
         # a file (:meth:`begin_change`)
         self._opened: OrderedDict[bytes, tuple[float, os.stat_result]] = OrderedDict()
         self.opened_stats = 0  # GETATTRs answered from the fstat of the open just before
-        # (directory path, trio time, fstat, namespace generation) right after the last change
+        # (directory path, trio time, fstat, dir_token() before it) right after the last change
         # of names made through tierfs (a create, an unlink), for the GETATTR of that directory
         # the kernel sends next (:meth:`saw_dir`); requests that may create, remove or rename a
         # name, in flight, and their count (bumped at each one's start and end)
@@ -538,7 +538,7 @@ class Namespace:
                 # a new name: the directory changed now, not at write-back (POSIX; pjdfstest
                 # open/00.t), and write-back keeps the directory's times as they are then
                 token = self.dir_token()
-                self.saw_dir(split(path)[0], await self.meta.run(self.tree.touch_stat, split(path)[0]), token)
+                self.saw_dir(split(path)[0], await self.meta.run(self.tree.touch, split(path)[0]), token)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self.wb.closed(df, True)
@@ -621,7 +621,7 @@ class Namespace:
             if st is not None and not stat.S_ISDIR(st.st_mode):
                 nlink, dst = await self.meta.run(self.tree.unlink_stat_dir, path)
             else:  # only the write tier had it: the directory changed all the same
-                nlink, dst = 1, await self.meta.run(self.tree.touch_stat, split(path)[0])
+                nlink, dst = 1, await self.meta.run(self.tree.touch, split(path)[0])
         if nlink > 1:
             # still linked under another name: an open of the inode that the unlink raced is
             # answered ESTALE (the kernel looks its name up again), not ENOENT
