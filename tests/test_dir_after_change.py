@@ -7,6 +7,7 @@ tests/test_mount_basic.py, ``-k directory_after``.)"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -190,15 +191,22 @@ async def test_an_open_in_flight_at_the_unlink_keeps_the_file_for_a_reopen(tmp_p
         await ops.release(fis[0].fh)
 
 
-async def test_a_chmod_of_the_directory_while_a_create_stats_it_is_not_hidden(tmp_path: Path) -> None:
-    """The create's fstat of the directory was taken before a whole chmod of it ran (the
-    create's metadata call finished late): the GETATTR after both sees the chmod."""
+@contextlib.asynccontextmanager
+async def _open_dir_0777(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A running instance whose backing store has directory ``d`` (mode 0777), looked up:
+    yields (write-back, handlers, d's attributes)."""
     disks = Disks(tmp_path / "d")
     (disks.back / "d").mkdir()
     os.chmod(disks.back / "d", 0o777)
     async with instance(disks, deadline_s=3600) as wb:
         ops = _handlers(wb, InodeTable(wb.tree))
-        d = await ops.lookup(ROOT, b"d")
+        yield wb, ops, await ops.lookup(ROOT, b"d")
+
+
+async def test_a_chmod_of_the_directory_while_a_create_stats_it_is_not_hidden(tmp_path: Path) -> None:
+    """The create's fstat of the directory was taken before a whole chmod of it ran (the
+    create's metadata call finished late): the GETATTR after both sees the chmod."""
+    async with _open_dir_0777(tmp_path) as (wb, ops, d):
         real = wb.tree.touch
         taken, go = threading.Event(), threading.Event()
 
@@ -224,12 +232,7 @@ async def test_a_chmod_of_the_directory_while_a_create_stats_it_is_not_hidden(tm
 async def test_the_reply_to_a_chmod_of_the_directory_is_never_a_create_s_fstat_from_before_it(tmp_path: Path) -> None:
     """A chmod of the directory waits before its own call while a whole create runs in the
     directory: the chmod's reply (cached by the kernel for attr_timeout) is the mode it set."""
-    disks = Disks(tmp_path / "d")
-    (disks.back / "d").mkdir()
-    os.chmod(disks.back / "d", 0o777)
-    async with instance(disks, deadline_s=3600) as wb:
-        ops = _handlers(wb, InodeTable(wb.tree))
-        d = await ops.lookup(ROOT, b"d")
+    async with _open_dir_0777(tmp_path) as (wb, ops, d):
         real_run = ops.ns.meta.run
         created = trio.Event()
 
