@@ -6,6 +6,7 @@ import errno
 import os
 import socket
 import struct
+import time
 
 import pytest
 import trio
@@ -213,11 +214,12 @@ class Peer:
         return unique, -err, raw[c.OUT_HEADER.size:]
 
 
-async def _with_session(script) -> tuple[native.NativeSession, StubHandlers]:
+async def _with_session(script, busy_poll_s: float = 0.0) -> tuple[native.NativeSession, StubHandlers]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     a.setblocking(False)
     stub = StubHandlers()
-    s = native.NativeSession(stub, a.detach(), "/nonexistent/tierfs-test", want_passthrough=True)  # type: ignore[arg-type]
+    s = native.NativeSession(stub, a.detach(), "/nonexistent/tierfs-test", want_passthrough=True,  # type: ignore[arg-type]
+                             busy_poll_s=busy_poll_s)
     stub.session = s
     peer = Peer(b)
     await peer.send(req(c.INIT, struct.pack("<IIIII", 7, 45, 1 << 17, c.INIT_EXT | c.ASYNC_READ, 0) + bytes(44), unique=1))
@@ -230,8 +232,8 @@ async def _with_session(script) -> tuple[native.NativeSession, StubHandlers]:
     return s, stub
 
 
-def _run(script):
-    return trio.run(_with_session, script)
+def _run(script, busy_poll_s: float = 0.0):
+    return trio.run(_with_session, script, busy_poll_s)
 
 
 def test_init_before_main_and_normal_request():
@@ -355,6 +357,104 @@ def test_requests_that_never_wait_are_served_by_one_worker():
     seen: list[tuple[int, int]] = []
     _run(script)
     assert seen == [(1, 1), (2, 2)]
+
+
+def _getattr(unique: int) -> bytes:
+    return req(c.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=unique, nodeid=5)
+
+
+def test_busy_poll_reads_the_next_request_of_a_serial_client(monkeypatch):
+    """After answering, the transport polls /dev/fuse for a while before sleeping in epoll: a
+    client in another thread that sends its next request shortly after its reply (a serial
+    one: rm -rf, tar -x; here 2 ms later, long after the worker came back to read) has every
+    request after its first read by a poll, none after a sleep in epoll."""
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    async def script(peer, stub):
+        await peer.reply()
+        sock = peer.sock._sock.dup()  # a blocking twin of the kernel's side, for the thread
+        sock.setblocking(True)
+
+        def client() -> list[tuple[int, int]]:
+            got = []
+            for k in range(10):
+                if k:
+                    time.sleep(0.002)
+                sock.send(_getattr(100 + k))
+                n, err, unique = c.OUT_HEADER.unpack_from(sock.recv(1 << 17))
+                got.append((unique, -err))
+                if k == 0:
+                    before.append((stub.session.busy_poll_hits, stub.session.epoll_waits))
+            sock.close()
+            return got
+
+        got = await trio.to_thread.run_sync(client)
+        assert got == [(100 + k, 0) for k in range(10)]
+
+    before: list[tuple[int, int]] = []
+    s, _ = _run(script, busy_poll_s=0.5)
+    hits0, waits0 = before[0]
+    assert s.busy_poll_s == 0.5
+    # the nine requests after the first: each found by a poll, none after a sleep in epoll (the
+    # loop's last read, after the client closed, may sleep once)
+    assert s.busy_poll_hits - hits0 == 9
+    assert s.epoll_waits - waits0 <= 1
+    st = s.statistics()
+    assert st["busy_poll_us"] == 500000 and st["busy_poll_hits"] == s.busy_poll_hits
+
+
+def test_busy_poll_stops_while_it_finds_nothing(monkeypatch):
+    """A client that is not there when the poll ends (here: it runs in the daemon's own loop,
+    so it can never send during a poll) costs BUSY_POLL_MISSES polls, then the next
+    BUSY_POLL_SKIP reads sleep at once, and then one polls again."""
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1})
+    n = native.BUSY_POLL_MISSES + native.BUSY_POLL_SKIP + 2
+
+    async def script(peer, stub):
+        await peer.reply()
+        for k in range(n):
+            await peer.send(_getattr(100 + k))
+            assert (await peer.reply())[:2] == (100 + k, 0)
+
+    s, _ = _run(script, busy_poll_s=0.001)
+    assert s.busy_poll_hits == 0
+    # BUSY_POLL_MISSES polls, then BUSY_POLL_SKIP reads without one, then polls again (one or
+    # two: whether the read before the first request polls depends on what else was runnable)
+    assert native.BUSY_POLL_MISSES < s.busy_poll_misses <= native.BUSY_POLL_MISSES + 3
+
+
+def test_runnable_tasks_as_trio_counts_them():
+    """The poll's check for other runnable tasks reads trio's run queue directly (the public
+    statistics call costs more): it must say what trio says."""
+    async def go():
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s = native.NativeSession(StubHandlers(), a.detach(), "/nonexistent/x", want_passthrough=True)  # type: ignore[arg-type]
+        try:
+            assert s._runnable() == trio.lowlevel.current_statistics().tasks_runnable == 0
+            async with trio.open_nursery() as n:
+                n.start_soon(trio.sleep, 0)
+                n.start_soon(trio.sleep, 0)
+                assert s._runnable() == trio.lowlevel.current_statistics().tasks_runnable == 2
+            assert s._runq is not None and len(s._runq) == 0  # the fast path, not the fallback
+        finally:
+            s.close(unmount=False)
+            b.close()
+
+    trio.run(go)
+
+
+def test_busy_poll_never_with_one_cpu(monkeypatch):
+    """With one CPU the client cannot run while the daemon polls: no polling at all."""
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0})
+
+    async def script(peer, stub):
+        await peer.reply()
+        for k in range(3):
+            await peer.send(_getattr(100 + k))
+            assert (await peer.reply())[:2] == (100 + k, 0)
+
+    s, _ = _run(script, busy_poll_s=0.001)
+    assert s.busy_poll_s == 0 and s.busy_poll_hits == s.busy_poll_misses == 0
 
 
 def test_inline_await_calls_on_suspend_once_and_forwards_values_and_errors():

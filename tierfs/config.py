@@ -214,6 +214,12 @@ OPTIONS: tuple[Option, ...] = (
            "behind tierfs' back is then seen within attr_timeout, not at the next open. false: "
            "every open asks the daemon (passthrough of resident files; changes seen at the next "
            "open)"),
+    Option("busy_poll_us", _int_range(0, 1000), 20, "native transport: microseconds the daemon "
+           "polls for the next request after answering one before it sleeps (as net.core.busy_poll "
+           "does for sockets): a serial client's next request (rm -rf, tar -x, a stat walk) is "
+           "read without a wake-up on either side. Only with 2 or more CPUs, only when nothing "
+           "else in the daemon could run, and it stops polling for a while when polls find "
+           "nothing; 0: never"),
     Option("allow_other", _bool_or_auto, None, "let users other than the mounting one use the "
            "mount (the kernel checks each file's permissions: default_permissions). Default auto = "
            "true when root mounts (a shared training box), false for a user's own mount"),
@@ -266,6 +272,7 @@ class Config:
     passthrough_misses: bool = True
     ro: bool = False
     kernel_opens: bool = True
+    busy_poll_us: int = 20
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

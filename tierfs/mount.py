@@ -591,7 +591,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         options.add("ro")
     session: Session | None = None
     session = await start_session(cfg.transport, ops, plan.mountpoint, fsname=plan.backing,
-                                  options=options, passthrough=cfg.passthrough, kernel_opens=cfg.kernel_opens)
+                                  options=options, passthrough=cfg.passthrough, kernel_opens=cfg.kernel_opens,
+                                  busy_poll_s=cfg.busy_poll_us / 1e6)
     # (before the session serves: its first LOOKUP of a control file must render it)
     control.kernel_opens = bool(getattr(session, "kernel_opens", False))
     # misses straight from a parallel store (never an HDD's: its scheduler orders every access)

@@ -73,13 +73,15 @@ class Pyfuse3Session:
 
 
 async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsname: str,
-                        options: set[str], passthrough: str = "on", kernel_opens: bool = False) -> Session:
+                        options: set[str], passthrough: str = "on", kernel_opens: bool = False,
+                        busy_poll_s: float = 0.0) -> Session:
     """Mount ``mountpoint`` with transport ``kind`` (``auto``/``native``/``pyfuse3``) and
     answer INIT. ``options``: the pyfuse3 mount options (``allow_other`` is read from them for
     the native transport). ``passthrough``: on (resident and written files), writes (dirty files only) or off (the
     ``passthrough`` config key). ``"ro"`` in ``options``: a read-only mount; ``kernel_opens``
     (read-only mounts on the native transport): the kernel answers opens (the
-    ``kernel_opens`` config key; no passthrough then). Raises MountError."""
+    ``kernel_opens`` config key; no passthrough then). ``busy_poll_s``: the native transport's
+    poll for the next request (the ``busy_poll_us`` config key). Raises MountError."""
     from tierfs.transport import native
 
     if kind not in TRANSPORTS:
@@ -102,7 +104,7 @@ async def start_session(kind: str, handlers: Handlers, mountpoint: str, *, fsnam
     no_pt = passthrough == "off" or kernel_opens
     s = native.NativeSession(handlers, fd, mountpoint, want_passthrough=not no_pt,
                              clean_passthrough=passthrough == "on", read_only=read_only,
-                             kernel_opens=kernel_opens)
+                             kernel_opens=kernel_opens, busy_poll_s=busy_poll_s)
     try:
         ir = await s.init()
     except BaseException:

@@ -11,7 +11,7 @@ this replaces was quadratic in the files such a command writes.
 :class:`DirtyTable` is the dict of dirty files by id (``WriteBack.files``) with a
 :class:`ReadyIndex` kept beside it. The index hears of every change that can make a file ready
 or not: :class:`~tierfs.writeback.manager.DirtyFile` calls :meth:`ReadyIndex.update` from its
-``__setattr__`` whenever one of :data:`READY_FIELDS` is assigned (``waiters`` is a tuple, so
+field descriptors whenever one of :data:`READY_FIELDS` is assigned (``waiters`` is a tuple, so
 it changes only by assignment too), and the table attaches and detaches files as they come and
 go. A change pushes a fresh heap entry ``(deadline, order, version, file)`` if the file is
 ready (apart from the retry time); entries of older versions are skipped when they surface
@@ -92,7 +92,7 @@ class ReadyIndex:
             self._live -= 1
 
     def update(self, df: DirtyFile) -> None:
-        """``df`` changed (called by ``DirtyFile.__setattr__`` for :data:`READY_FIELDS`)."""
+        """``df`` changed (called by the descriptors of :data:`READY_FIELDS` on DirtyFile)."""
         self._invalidate(df)
         if is_ready(df):
             df._ready_in = True
