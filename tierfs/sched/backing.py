@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,9 +40,10 @@ class Identity:
     def of(cls, path: str, st: os.stat_result) -> Identity:
         return cls(path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Stable name of this identity: tier file name and catalog key (xxh3-64, hex)."""
+        """Stable name of this identity: tier file name and catalog key (xxh3-64, hex).
+        Computed once (an open of a resident file asked for it twice, ~1.5 us each)."""
         raw = f"{self.path}\0{self.size}\0{self.mtime_ns}\0{self.ino}\0{self.dev}\0{self.ctime_ns}".encode(
             "utf-8", "surrogateescape"
         )

@@ -24,6 +24,7 @@ fails with EIO), so the mode of each inode's open handles is tracked here.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import fcntl
@@ -32,7 +33,6 @@ import os
 import select
 import struct
 import time
-import collections
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field

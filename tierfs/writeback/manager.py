@@ -225,9 +225,9 @@ class _ReadyField:
 
 # After the dataclass is made, so that its ``__init__`` keeps the fields' defaults and assigns
 # them through the descriptors
-for _name in READY_FIELDS:
-    setattr(DirtyFile, _name, _ReadyField(_name))
-del _name
+for _field in READY_FIELDS:
+    setattr(DirtyFile, _field, _ReadyField(_field))
+del _field
 
 
 class _Gate:
