@@ -175,6 +175,8 @@ class StubHandlers:
             raise RuntimeError("a bug in a handler")
         if name == b"found":  # counts a lookup of inode 9
             return Attr(st_ino=9, st_mode=0o100644, st_nlink=1)
+        if name == b"thread":  # served in a worker thread, as a metadata call on a slow store
+            await trio.to_thread.run_sync(time.sleep, 0.001)
         raise FuseError(errno.ENOENT)
 
     async def forget(self, items):
@@ -401,6 +403,33 @@ def test_busy_poll_reads_the_next_request_of_a_serial_client(monkeypatch):
     assert s.epoll_waits - waits0 <= 1
     st = s.statistics()
     assert st["busy_poll_us"] == 500000 and st["busy_poll_hits"] == s.busy_poll_hits
+
+
+def test_busy_poll_never_while_a_handler_waits_for_a_thread(monkeypatch):
+    """While a handler waits for a worker thread its client waits for that reply, and the
+    thread's result comes through epoll: the reader sleeps there at once instead of polling
+    (a poll would hold the reply back for the whole poll)."""
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    async def script(peer, stub):
+        await peer.reply()
+        sock = peer.sock._sock.dup()
+        sock.setblocking(True)
+
+        def client() -> list[tuple[int, int]]:
+            got = []
+            for k in range(3):
+                sock.send(req(c.LOOKUP, b"thread\0", unique=100 + k))
+                n, err, unique = c.OUT_HEADER.unpack_from(sock.recv(1 << 17))
+                got.append((unique, -err))
+            sock.close()
+            return got
+
+        got = await trio.to_thread.run_sync(client)
+        assert got == [(100 + k, errno.ENOENT) for k in range(3)]
+
+    s, _ = _run(script, busy_poll_s=0.5)
+    assert s.busy_poll_misses == 0  # (each would have cost the reply 0.5 s)
 
 
 def test_busy_poll_stops_while_it_finds_nothing(monkeypatch):

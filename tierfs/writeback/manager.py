@@ -205,7 +205,9 @@ class _ReadyField:
     the hook. A ``__setattr__`` on the class, as before, ran in Python for every assignment of
     every field, its ~45 in ``__init__`` included: ~147 calls per file of a ``tar -x``, 7% of
     the daemon's time there (cProfile). The same object assigned again changes nothing the
-    index reads: no update (a ``tar -x`` made ~21 index updates per file, many of them such)."""
+    index reads: no update (a ``tar -x`` made ~21 index updates per file, many of them such).
+    (On the class, ``DirtyFile.state`` and the other nine are these descriptors, not the
+    defaults; nothing reads the defaults there, and a field is never deleted.)"""
 
     __slots__ = ("name",)
 
