@@ -708,6 +708,10 @@ class Namespace:
                      cur.st_mtime_ns if attr.mtime_ns is None else attr.mtime_ns)
         mode, uid, gid = attr.mode, attr.uid, attr.gid
         if mode is not None or uid is not None or gid is not None or times is not None:
+            if entry.dirty is None and entry.path is None and entry.regular:
+                # unlinked while open: its attributes change on its anonymous copy, as its
+                # data does (_make_dirty_unlinked); the backing file has no name to set them on
+                await self.make_dirty(entry, truncate=False)
             if entry.dirty is not None:
                 await self.wb.set_attrs(entry.dirty, mode=mode, uid=uid, gid=gid, times=times)
             else:
@@ -744,7 +748,7 @@ class Namespace:
             return entry.dirty
         path = entry.path
         if path is None:
-            raise FuseError(errno.ENOENT)
+            return await self._make_dirty_unlinked(entry, truncate=truncate)
         st = await self.meta.run(self.tree.lstat, path)
         if not stat.S_ISREG(st.st_mode):
             raise FuseError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL)
@@ -766,6 +770,37 @@ class Namespace:
                 self.release_backing(bf)
         if st.st_nlink > 1:
             self.wb.set_in_place(df, st)
+        self.inodes.attach(entry, df)
+        return df
+
+    async def _make_dirty_unlinked(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
+        """The first write (or truncate) through a descriptor of a clean file whose name was
+        unlinked, or replaced, after it was opened: a local filesystem lets it write, and
+        every descriptor of the file sees the change. The copy is anonymous: its journal row
+        names no path (a crash discards it), it is never written back, and it goes at its last
+        close (:meth:`WriteBack.closed`). Its source is the content the open handles read (the
+        entry's orphan, else a handle's backing file). Raises FuseError(ENOENT) when none is
+        left, or when the file has other names (a copy would split it from them)."""
+        src = entry.orphan if entry.orphan is not None and entry.orphan.fd >= 0 else None
+        if src is None:
+            src = next((h.file for h in self.handles.of_inode(entry.inode)
+                        if h.file is not None and h.file.fd >= 0), None)
+        if src is None or entry.linked_elsewhere:
+            raise FuseError(errno.ENOENT)
+        src.acquire()  # open across the copy, whatever the handles do meanwhile
+        try:
+            st = await self.meta.run(os.fstat, src.fd)
+            if truncate or st.st_size == 0:
+                df = await self.wb.create(None, st.st_mode, st.st_uid, st.st_gid, journal=False)
+            else:
+                access = AccessState()
+                try:
+                    df = await self.wb.copy_up(None, st, lambda off, n: self.cache.read(src, off, n, access),
+                                               proc_path(src.fd))
+                finally:
+                    self.cache.forget_access(access)
+        finally:
+            src.release(self._close_backing)
         self.inodes.attach(entry, df)
         return df
 

@@ -607,15 +607,16 @@ class WriteBack:
             raise
 
     # -- creating --------------------------------------------------------------------------
-    async def create(self, path: bytes, mode: int, uid: int, gid: int,
+    async def create(self, path: bytes | None, mode: int, uid: int, gid: int,
                      times: tuple[int, int] | None = None, *, journal: bool = True) -> DirtyFile:
         """A new, empty dirty file at ``path`` (replacing whatever the mount showed there).
         ``journal=False``: its journal row names no path yet (a copy-up in progress, which a
         crash must discard, never write back over the good backing file); :meth:`copy_up`
-        names it once the copy is complete. Raises OSError (ENOSPC: no room for the journal
-        row or the data file)."""
+        names it once the copy is complete. ``path`` None: an anonymous file (the dirty copy
+        of an unlinked file still open: never written back, discarded at its last close).
+        Raises OSError (ENOSPC: no room for the journal row or the data file)."""
         self._check_user_bound(uid)
-        old = self.by_path.get(path)
+        old = self.by_path.get(path) if path is not None else None
         if old is not None:
             await self.unlink(old)
         # The data file first, then its row (with the path, in one commit): a crash in
@@ -672,9 +673,10 @@ class WriteBack:
         if uid != 0 and self._user_files[uid] >= self.user_dirty_bound():
             raise DirtyLimit(f"uid {uid} holds {self._user_files[uid]} dirty files, the most one user may")
 
-    async def copy_up(self, path: bytes, st: os.stat_result, read: Callable[[int, int], object],
+    async def copy_up(self, path: bytes | None, st: os.stat_result, read: Callable[[int, int], object],
                       xattr_src: bytes | None) -> DirtyFile:
-        """A dirty copy of an existing backing file, read through ``await read(offset, n)``."""
+        """A dirty copy of an existing backing file, read through ``await read(offset, n)``
+        (``path`` None: an anonymous copy, see :meth:`create`)."""
         df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns),
                                journal=False)
         # Until the copy is complete it counts as a writer: the write-back worker must not
