@@ -217,8 +217,16 @@ def test_a_descriptor_of_an_unlinked_file_writes_as_on_a_local_filesystem(tiermo
         assert (st.st_size, st.st_nlink, st.st_mode & 0o777, st.st_mtime_ns) == (4, 0, 0o600, 2_000_000_000)
         assert os.pread(ro, 100, 0) == b"XYll"
         assert m.stats()["writeback"]["dirty_files"] == 0  # nothing to write back
-    finally:
         os.close(fd)
+        fd = -1
+        # the writer is gone: the reader still reads the change, from the disk's copy too
+        os.posix_fadvise(ro, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert os.pread(ro, 100, 0) == b"XYll"
+        with open(f"/proc/self/fd/{ro}", "rb") as again:
+            assert again.read() == b"XYll"
+    finally:
+        if fd >= 0:
+            os.close(fd)
         os.close(ro)
     assert sorted(os.listdir(back)) == ["g"] and sorted(os.listdir(m.mnt)) == ["g"]
 

@@ -778,9 +778,10 @@ class Namespace:
         unlinked, or replaced, after it was opened: a local filesystem lets it write, and
         every descriptor of the file sees the change. The copy is anonymous: its journal row
         names no path (a crash discards it), it is never written back, and it goes at its last
-        close (:meth:`WriteBack.closed`). Its source is the content the open handles read (the
-        entry's orphan, else a handle's backing file). Raises FuseError(ENOENT) when none is
-        left, or when the file has other names (a copy would split it from them)."""
+        close once the kernel has forgotten the inode (:meth:`WriteBack.unkeep`). Its source is the content the open handles read (the
+        entry's orphan, else a handle's backing file); it is kept until the kernel forgets the
+        inode. Raises FuseError(ENOENT) when none is left, or when the file has other names (a
+        copy would split it from them)."""
         src = entry.orphan if entry.orphan is not None and entry.orphan.fd >= 0 else None
         if src is None:
             src = next((h.file for h in self.handles.of_inode(entry.inode)
@@ -802,6 +803,11 @@ class Namespace:
         finally:
             src.release(self._close_backing)
         self.inodes.attach(entry, df)
+        # kept while the kernel holds the inode, as an unlinked dirty file is (preserve): a
+        # reader opened before the copy reads it after the writer's close, and so does a
+        # reopen through /proc/PID/fd/N (on_forget gives it up)
+        df.keep += 1
+        entry.kept = True
         return df
 
     async def take_in_place(self, entry: InodeEntry, src_fd: int) -> DirtyFile:
