@@ -5,6 +5,7 @@ reads, also when it was opened while dirty and its write-back finished before th
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from pathlib import Path
@@ -264,3 +265,50 @@ def test_a_descriptor_of_an_unlinked_file_with_other_names_does_not_write_a_copy
     finally:
         os.close(fd)
     assert (m.mnt / "h").read_bytes() == b"hello-world\n"
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_a_descriptor_of_a_hard_linked_file_renamed_over_does_not_write_a_copy(tiermount, tmp_path: Path) -> None:
+    """Renamed over (not unlinked), the file keeps its other name on the backing store: a copy
+    would take the write away from it, so the write is refused."""
+    back = tmp_path / "back"
+    (back / "a").write_bytes(b"AAAA-original\n")
+    os.link(back / "a", back / "a2")
+    (back / "b").write_bytes(b"B\n")
+    m = tiermount(ram="16MiB")
+    fd = os.open(m.mnt / "a", os.O_RDWR)
+    try:
+        os.rename(m.mnt / "b", m.mnt / "a")
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"ZZZZ", 0)
+    finally:
+        os.close(fd)
+    assert (m.mnt / "a2").read_bytes() == (back / "a2").read_bytes() == b"AAAA-original\n"
+    assert (m.mnt / "a").read_bytes() == b"B\n"
+
+
+@needs_fuse
+@pytest.mark.fuse
+def test_a_copy_of_an_unlinked_file_the_write_tier_cannot_hold_leaves_nothing(tiermount, tmp_path: Path) -> None:
+    """An anonymous copy cannot go to the backing store instead (it has no name there): a
+    write tier too small for it answers ENOSPC, and every retry leaves nothing behind (no
+    data file, no journal row, no dirty bytes), as before the first write."""
+    back = tmp_path / "back"
+    content = os.urandom(1 << 20) * 40  # 40 MiB, in a 16 MiB write tier
+    (back / "big").write_bytes(content)
+    m = tiermount(ram="16MiB")
+    fd = os.open(m.mnt / "big", os.O_RDWR)
+    try:
+        os.unlink(m.mnt / "big")
+        for _ in range(3):
+            with pytest.raises(OSError) as ei:
+                os.pwrite(fd, b"X", 0)
+            assert ei.value.errno == errno.ENOSPC
+        assert os.pread(fd, 4096, 0) == content[:4096]  # unchanged, still readable
+        tier = m.tier("ram")
+        assert tier["dirty_bytes"] == 0  # nothing of the cut copies is left
+        assert [p.name for p in (Path(tier["path"]) / "dirty").iterdir()] == []
+    finally:
+        os.close(fd)
+    assert m.stats()["writeback"]["dirty_files"] == 0

@@ -150,6 +150,7 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     _setup_logging(cfg.log_level, cfg.log_file or None)
     said = False
+    real_mountpoint = os.path.realpath(plan.mountpoint)  # now, before it is mounted
 
     def ready(message: str | None) -> None:
         nonlocal said
@@ -163,8 +164,10 @@ def _run_daemon(plan: Any, ready_fd: int | None) -> int:
             os.write(ready_fd, line.encode())
             os.close(ready_fd)
         elif message is None:
+            # (the mountpoint resolved before it was mounted: resolving it now, on the
+            # daemon's loop, asked this very daemon for its attributes and could hang for good)
             print(f"tierfs: mounted {plan.backing} on {plan.mountpoint} (foreground); usable by "
-                  f"{who_can_use(mount_mod.mount_options(plan.mountpoint))}", flush=True)
+                  f"{who_can_use(mount_mod.mount_options_at(real_mountpoint))}", flush=True)
 
     try:
         trio.run(mount_mod.serve, plan, ready)

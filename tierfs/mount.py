@@ -147,8 +147,14 @@ def mount_entry(path: str) -> tuple[str, str] | None:
 
 def mount_options(path: str) -> set[str]:
     """The options of what is mounted on ``path`` (the one on top), as the kernel lists them in
-    /proc/self/mounts (``allow_other``, ``user_id=0``, ...); empty if nothing is mounted."""
-    real = os.path.realpath(path)
+    /proc/self/mounts (``allow_other``, ``user_id=0``, ...); empty if nothing is mounted.
+    Resolves ``path`` (an ``lstat`` of each component): never from the daemon of that very
+    mount, whose loop would be the one to answer (:func:`mount_options_at`)."""
+    return mount_options_at(os.path.realpath(path))
+
+
+def mount_options_at(real: str) -> set[str]:
+    """:func:`mount_options` of ``real``, a path already resolved (no system call on it)."""
     found: set[str] = set()
     with open("/proc/self/mounts") as f:
         for line in f:

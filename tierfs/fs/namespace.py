@@ -791,6 +791,10 @@ class Namespace:
         src.acquire()  # open across the copy, whatever the handles do meanwhile
         try:
             st = await self.meta.run(os.fstat, src.fd)
+            if st.st_nlink > 0:
+                # the backing inode still has a name (a hard link the rename over this one
+                # left, or one made behind tierfs' back): a copy would split from it
+                raise FuseError(errno.ENOENT)
             if truncate or st.st_size == 0:
                 df = await self.wb.create(None, st.st_mode, st.st_uid, st.st_gid, journal=False)
             else:

@@ -683,19 +683,28 @@ class WriteBack:
         # commit a partial copy over the good backing file.
         df.writers += 1
         try:
-            if xattr_src is not None:
-                await self.device.run(_copy_xattrs, xattr_src, df.fd)
-            off = 0
-            while off < st.st_size:
-                n = min(self.slice_size, st.st_size - off)
-                data = await read(off, n)  # type: ignore[misc]
-                await self.write(df, off, data, touch_mtime=False)
-                off += n
-            if st.st_size:
-                async with self._gate(df):
-                    await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
-        finally:
-            df.writers -= 1
+            try:
+                if xattr_src is not None:
+                    await self.device.run(_copy_xattrs, xattr_src, df.fd)
+                off = 0
+                while off < st.st_size:
+                    n = min(self.slice_size, st.st_size - off)
+                    data = await read(off, n)  # type: ignore[misc]
+                    await self.write(df, off, data, touch_mtime=False)
+                    off += n
+                if st.st_size:
+                    async with self._gate(df):
+                        await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
+            finally:
+                df.writers -= 1
+        except BaseException:
+            # A copy cut short (ENOSPC, EIO, a cancel): nothing may be left of it. Left
+            # registered, its data file, journal row, descriptor and tier room stayed until the
+            # next mount, one more per retried write; and once its writer count was back to
+            # zero, a named one was ready for write-back with a partial copy.
+            with trio.CancelScope(shield=True):
+                await self._abandon(df)
+            raise
         if df.path is not None:
             self._journal(self.journal.set_path, df.id, df.path)  # complete: from now on it is a dirty file
         return df
@@ -1088,6 +1097,15 @@ class WriteBack:
         df.path = None
         df.touch()
         if df.handles == 0 and df.keep == 0:
+            await self._discard(df)
+
+    async def _abandon(self, df: DirtyFile) -> None:
+        """Forget a dirty file nothing uses yet (a copy-up that failed): as an unlink of it
+        would, at once."""
+        if df.path is not None and self.by_path.get(df.path) is df:
+            del self.by_path[df.path]
+        df.path = None
+        if df.id in self.files:
             await self._discard(df)
 
     async def _discard(self, df: DirtyFile) -> None:
