@@ -68,9 +68,10 @@ FORGET_STEP = 1000  # inodes forgotten between two checkpoints of one FORGET bat
 INODE_READERS_MAX = 16384
 
 
-class _FuseErrors:
-    """:func:`fuse_errors` (a class, not a generator: a ``@contextmanager`` cost ~3 us per use,
-    and one runs for every open)."""
+class _Named:
+    """A ``with`` block named ``what`` for its log lines: :class:`_FuseErrors` and
+    :class:`_LoggedErrors` (classes, not generators: a ``@contextmanager`` cost ~3 us per use,
+    and one runs for every open, two for every release)."""
 
     __slots__ = ("what",)
 
@@ -79,6 +80,12 @@ class _FuseErrors:
 
     def __enter__(self) -> None:
         return None
+
+
+class _FuseErrors(_Named):
+    """:func:`fuse_errors`."""
+
+    __slots__ = ()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
         if e is None or isinstance(e, FuseError) or not isinstance(e, Exception):
@@ -189,16 +196,10 @@ class _OwnAttrsChange:
             self.ns.end_attrs_change()
 
 
-class _LoggedErrors:
-    """:func:`logged_errors` (a class: two run for every release)."""
+class _LoggedErrors(_Named):
+    """:func:`logged_errors`."""
 
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
+    __slots__ = ()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> bool:
         if e is None or not isinstance(e, Exception):
