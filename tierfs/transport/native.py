@@ -459,7 +459,7 @@ class NativeSession:
         Sleeping for it costs an epoll registration, an ``epoll_wait`` and a trip through
         trio's scheduler on our side, and a wake-up (an IPI) on the client's: polling (as the
         kernel's ``net.core.busy_poll`` does for sockets) took ``rm -rf`` of 10,000 files from
-        162-175 to 133-148 us per file, and ``tar -x`` of 3,000 files from 2.80 to 2.20 s
+        155-185 to 123-143 us per file, and ``tar -x`` of 3,000 files from 2.80 to 2.20 s
         (bench/profile_tarx.py), 94% of polls of 15 us finding a request.
 
         Not while a request's handler waits (for a thread: its result comes through epoll),
