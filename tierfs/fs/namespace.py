@@ -777,11 +777,12 @@ class Namespace:
         """The first write (or truncate) through a descriptor of a clean file whose name was
         unlinked, or replaced, after it was opened: a local filesystem lets it write, and
         every descriptor of the file sees the change. The copy is anonymous: its journal row
-        names no path (a crash discards it), it is never written back, and it goes at its last
-        close once the kernel has forgotten the inode (:meth:`WriteBack.unkeep`). Its source is the content the open handles read (the
-        entry's orphan, else a handle's backing file); it is kept until the kernel forgets the
-        inode. Raises FuseError(ENOENT) when none is left, or when the file has other names (a
-        copy would split it from them)."""
+        names no path (a crash discards it), it is never written back, and it goes once the
+        kernel has forgotten the inode and the last handle closed (:meth:`WriteBack.unkeep`).
+        Its source is what the open handles read (the entry's orphan, else a handle's backing
+        file). Raises FuseError(ENOENT) when none is left, or when the backing inode still has
+        a name (a copy would split from it); OSError (ENOSPC) when the write tier cannot hold
+        it."""
         src = entry.orphan if entry.orphan is not None and entry.orphan.fd >= 0 else None
         if src is None:
             src = next((h.file for h in self.handles.of_inode(entry.inode)
