@@ -5,6 +5,7 @@ GETATTR, and a change made behind tierfs' back is seen within ``attr_timeout``."
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -113,18 +114,35 @@ def test_a_read_only_mount_reads_everything_and_refuses_every_change(tiermount, 
     else:
         assert doc["fuse"]["kernel_opens"] is False
 
-    # no hints on a read-only mount: skipped with a warning, never an error in the trainer
     from tierfs_hints.client import Client, TierfsHintWarning
 
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        Client().need([str(mnt / "big.bin")])
-    assert any(issubclass(w.category, TierfsHintWarning) and "read-only" in str(w.message) for w in got)
-    r = tierfs_cmd("warmup", str(mnt / "d"))  # no hint: it reads the files through the mount
-    assert "read 21 files" in r.stdout, r.stdout
-    for cmd in (("flush", str(mnt)), ("where", str(mnt / "big.bin")), ("evict", str(mnt / "big.bin"))):
-        r = tierfs_cmd(*cmd, check=False)
-        assert r.returncode != 0 and "read-only tierfs mount" in r.stderr, (cmd, r.stderr)
+    if transport == "native":
+        # requests as ioctls of the control file (it cannot be opened for writing): hints,
+        # where, evict and flush work as on a read-write mount
+        r = tierfs_cmd("evict", str(mnt / "big.bin"))
+        assert "evicted" in r.stdout, r.stdout
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "skipped" warning
+            h = Client().need([str(mnt / "big.bin")])
+        assert h.wait(30) and h.progress().resident_bytes["ram"] == (back / "big.bin").stat().st_size
+        r = tierfs_cmd("where", str(mnt / "big.bin"))
+        assert "(100%)" in r.stdout, r.stdout
+        r = tierfs_cmd("warmup", str(mnt / "d"))  # a need hint, as on a read-write mount
+        assert "hint" in r.stdout and "0 B left" in r.stdout, r.stdout
+        r = tierfs_cmd("flush", str(mnt))
+        assert r.returncode == 0
+    else:
+        # no requests on a read-only mount of libfuse: hints are skipped with a warning, never
+        # an error in the trainer
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            Client().need([str(mnt / "big.bin")])
+        assert any(issubclass(w.category, TierfsHintWarning) and "read-only" in str(w.message) for w in got)
+        r = tierfs_cmd("warmup", str(mnt / "d"))  # no hint: it reads the files through the mount
+        assert "read 21 files" in r.stdout, r.stdout
+        for cmd in (("flush", str(mnt)), ("where", str(mnt / "big.bin")), ("evict", str(mnt / "big.bin"))):
+            r = tierfs_cmd(*cmd, check=False)
+            assert r.returncode != 0 and "read-only tierfs mount" in r.stderr, (cmd, r.stderr)
 
     r = tierfs_cmd("umount", "--flush", str(mnt))
     assert "read-only" in r.stdout
@@ -226,8 +244,13 @@ def test_kernel_opens_see_an_in_place_change_that_keeps_size_and_mtime(tiermount
 
 def test_umount_flush_of_a_read_only_mount_waits_for_what_a_crash_left(tiermount, tmp_path: Path) -> None:
     m = tiermount(ram="64MiB", extra=("-o", "writeback_hold=600,writeback_deadline=3600"))
-    (m.mnt / "ck.bin").write_bytes(b"checkpoint" * 1000)
+    # killed while its writer has it open: never written back (a file closed alone is written
+    # back at once, and a kill after its close raced that write-back)
+    fd = os.open(m.mnt / "ck.bin", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"checkpoint" * 1000)  # (no fsync: on a RAM write tier it waits for the backing store)
     m.kill9()
+    with contextlib.suppress(OSError):  # its FLUSH finds no daemon
+        os.close(fd)
     assert not (tmp_path / "back" / "ck.bin").exists()  # dirty in the RAM write tier
     m.args += ["-o", "ro"]
     m.start()  # recovery: written back at once on a read-only mount

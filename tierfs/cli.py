@@ -266,26 +266,19 @@ def _wait_written_back(mnt: str) -> int:
 
 def _unreachable(mountpoint: str, e: OSError, op: str) -> MountError:
     """Why the control file of ``mountpoint`` took no ``op`` request (its open failed)."""
-    if e.errno == errno.EROFS:  # its control file cannot be opened for writing
-        return MountError(f"{mountpoint} is a read-only tierfs mount (ro): it takes no {op} request "
-                          "(where, evict, flush and hints need a read-write mount)")
+    if e.errno == errno.EROFS:  # a read-only mount whose daemon takes no ioctl requests
+        return MountError(f"{mountpoint} is a read-only tierfs mount (ro) on the pyfuse3 transport: it "
+                          f"takes no {op} request (where, evict, flush and hints need a read-write "
+                          "mount, or the native transport)")
     return MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})")
 
 
 def _command(mountpoint: str, request: dict[str, Any]) -> dict[str, Any]:
     """Send one request to the daemon's control file and return its reply."""
-    path = _control_path(mountpoint, wire.CTL_FILE)
     try:
-        fd = os.open(path, os.O_RDWR)
+        reply = wire.send(mountpoint, json.dumps(request).encode() + b"\n")
     except OSError as e:
         raise _unreachable(mountpoint, e, str(request.get("op", "control"))) from None
-    try:
-        os.write(fd, json.dumps(request).encode() + b"\n")
-        reply = b""
-        while chunk := os.pread(fd, 1 << 20, len(reply)):
-            reply += chunk
-    finally:
-        os.close(fd)
     return json.loads(reply)
 
 
@@ -564,7 +557,8 @@ def parse_by(text: str, now: float | None = None) -> float:
 
 
 def _warm_by_reading(mnt: str, paths: list[str]) -> int:
-    """``tierfs warmup`` on a read-only mount, which takes no need hint: read the files through
+    """``tierfs warmup`` on a mount that takes no need hint (read-only, on the pyfuse3
+    transport): read the files through
     the mount (4 at a time; the daemon's scheduler orders the store's accesses), which fills
     the tiers as a first epoch would. Returns the exit status."""
     from concurrent.futures import ThreadPoolExecutor
@@ -580,7 +574,7 @@ def _warm_by_reading(mnt: str, paths: list[str]) -> int:
     files = [p for p in paths if os.path.isfile(p)]
     with ThreadPoolExecutor(4) as pool:
         total = sum(pool.map(read, files))
-    print(f"tierfs: a read-only mount takes no hints: read {len(files)} files, {format_size(total)}, "
+    print(f"tierfs: this read-only mount takes no hints: read {len(files)} files, {format_size(total)}, "
           f"through it in {time.monotonic() - t0:.1f}s (they are in its tiers as far as they fit)")
     for p in paths:
         if not os.path.isfile(p):
@@ -591,7 +585,7 @@ def _warm_by_reading(mnt: str, paths: list[str]) -> int:
 def cmd_warmup(args: argparse.Namespace) -> int:
     paths = _expand(args.paths)
     mnt, rel = _mount_of(paths)
-    if os.statvfs(mnt).f_flag & os.ST_RDONLY:
+    if not wire.takes_requests(mnt):
         return _warm_by_reading(mnt, paths)
     req: dict[str, Any] = {"op": "need", "items": [[r, 0, None] for r in rel], "source": "tierfs warmup",
                            "label": "warmup"}

@@ -206,7 +206,8 @@ OPTIONS: tuple[Option, ...] = (
            "(the scheduler serializes every HDD access); false: misses are read through the daemon"),
     Option("ro", _bool, False, "read-only mount: no file or directory can be created, written, "
            "renamed or removed through it (EROFS), as for any filesystem mounted ro. A dataset "
-           "mount: see kernel_opens. Hints (tierfs_hints) and flush need a read-write mount"),
+           "mount: see kernel_opens. Hints (tierfs_hints), where, evict and flush reach the daemon as "
+           "ioctls of its control file (native transport; on pyfuse3 they need a read-write mount)"),
     Option("kernel_opens", _bool, True, "a read-only mount (ro) on the native transport: the "
            "kernel answers every open and close itself, with no request to the daemon, and keeps "
            "each file's page cache across opens (an epoch of small files in the page cache runs "

@@ -208,14 +208,15 @@ def parse_size(value: int | str, *, who: str = "parse_size", arg: str = "size") 
 
 def is_tierfs_root(directory: str) -> bool:
     """True if ``directory`` is a mount point with a tierfs control file (``.tierfs/ctl``) that
-    takes hints: not a read-only mount (``ro``: its control file cannot be written, so its
-    paths are skipped with a warning instead of failing each hint).
+    takes hints (:func:`tierfs_hints.wire.takes_requests`: a read-only mount on the pyfuse3
+    transport takes none, so its paths are skipped with a warning instead of failing each
+    hint).
 
-    Two to four system calls; a dead FUSE mount (``ENOTCONN``) is not a mount point here."""
+    Two to six system calls; a dead FUSE mount (``ENOTCONN``) is not a mount point here."""
     if not (os.path.ismount(directory) and os.path.exists(wire.control_path(directory, wire.CTL_FILE))):
         return False
     try:
-        return not os.statvfs(directory).f_flag & os.ST_RDONLY
+        return wire.takes_requests(directory)
     except OSError:
         return False
 
@@ -628,7 +629,8 @@ class Client:
             warnings.warn(
                 f"tierfs_hints.{who}: {groups.first_skipped!r}"
                 + (f" (and {groups.skipped - 1} more of {groups.total} paths)" if groups.skipped > 1 else "")
-                + " is not on a tierfs mount that takes hints (read-only mounts take none); hints "
+                + " is not on a tierfs mount that takes hints (read-only mounts on the pyfuse3 "
+                "transport take none); hints "
                 "for such paths are ignored (shown once)",
                 TierfsHintWarning, stacklevel=_stack_level())
 

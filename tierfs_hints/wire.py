@@ -1,15 +1,18 @@
 """The wire format shared by the daemon and its clients (``tierfs`` CLI, ``tierfs_hints``).
 
 The control plane lives inside the mount, in a directory hidden from ``readdir``; clients read
-and write small files there, so permissions follow the mount and no socket is needed.
+and write small files there (on a read-only mount, ioctls of the command file: CTL_IOC), so
+permissions follow the mount and no socket is needed.
 Standard library only: DataLoader workers import this.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import struct
 from typing import Any
 
 CONTROL_DIR = ".tierfs"
@@ -74,6 +77,28 @@ HINT_OPS = ("need", "progress", "wait", "cancel", "release", "epoch", "phase", "
             "where", "evict", "flush")
 
 
+# -- requests on a read-only mount (ioctls of CTL_FILE) -----------------------------------------
+# A read-only mount (MS_RDONLY) refuses every open for writing in the VFS, before the daemon
+# hears of it, so CTL_FILE cannot take a request line there. The native transport takes the
+# same requests, with the same caps and the same check of the caller's rights, as ioctls of
+# CTL_FILE opened for reading: one ioctl number (CTL_IOC: _IOWR('t', 1, CTL_IOC_SIZE)), whose
+# buffer of CTL_IOC_SIZE bytes the kernel copies to the daemon and back (a restricted FUSE
+# ioctl: its size and direction are in its number; 16383 bytes at most, _IOC_SIZEBITS 14).
+# In: CTL_IOC_IN (magic CTL_IOC_MAGIC, op, a 16-byte session token the client draws at random,
+# offset, payload length) then the payload. Out: CTL_IOC_OUT (the reply's whole length, the
+# payload length) then the payload. A session is one request: CTL_OP_WRITE pieces of the
+# request line (the session starts at its first piece, with the credentials of the process
+# that sends it; its token is the session's name for that uid only), CTL_OP_READ pieces of the
+# reply from an offset (waits for the reply), CTL_OP_CLOSE. Errors come back as the ioctl's
+# errno, as from the file (EFBIG over a cap: the reply says which).
+CTL_IOC_SIZE = (1 << 14) - 1
+CTL_IOC = (3 << 30) | (CTL_IOC_SIZE << 16) | (ord("t") << 8) | 1
+CTL_IOC_MAGIC = b"TFC1"
+CTL_IOC_IN = struct.Struct("<4sI16sQI")  # magic, op, token, offset, payload length
+CTL_IOC_OUT = struct.Struct("<QI")  # the reply's whole length, payload length
+CTL_OP_WRITE, CTL_OP_READ, CTL_OP_CLOSE = 1, 2, 3
+
+
 class ControlError(Exception):
     """The daemon refused a request; ``kind`` is "value" (bad input, over a cap), "perm" (the
     caller may not), "timeout" or "os"."""
@@ -90,13 +115,26 @@ def control_path(mountpoint: str, name: str) -> str:
 def request(mountpoint: str, req: dict[str, Any]) -> dict[str, Any]:
     """Send one request to the daemon of ``mountpoint`` and return its reply.
 
-    Raises OSError when the mount is not a live tierfs mount, ControlError when the daemon
-    refuses the request (or it is over MAX_REQUEST_BYTES: then nothing is sent)."""
+    Raises OSError when the mount is not a live tierfs mount (EROFS: a read-only mount whose
+    daemon takes no requests), ControlError when the daemon refuses the request (or it is over
+    MAX_REQUEST_BYTES: then nothing is sent)."""
     data = json.dumps(req, separators=(",", ":")).encode() + b"\n"
     if len(data) > MAX_REQUEST_BYTES:
         raise ControlError(f"request of {len(data)} bytes is over MAX_REQUEST_BYTES ({MAX_REQUEST_BYTES}); "
                            "send fewer paths per request")
-    fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDWR)
+    return _reply(send(mountpoint, data))
+
+
+def send(mountpoint: str, data: bytes) -> bytes:
+    """Send request line ``data`` (JSON, ending in a newline) to the daemon of ``mountpoint``
+    and return its reply's bytes: written to CTL_FILE, or as ioctls of it where a read-only
+    mount refuses the write (CTL_IOC). Raises OSError."""
+    try:
+        fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDWR)
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        return _request_ioctl(mountpoint, data)
     try:
         payload = memoryview(data)
         try:
@@ -113,7 +151,79 @@ def request(mountpoint: str, req: dict[str, Any]) -> dict[str, Any]:
             pos += len(chunk)
     finally:
         os.close(fd)
-    reply = json.loads(b"".join(parts))
+    return b"".join(parts)
+
+
+def takes_requests(mountpoint: str) -> bool:
+    """Whether the daemon of tierfs mount ``mountpoint`` takes requests: always on a
+    read-write mount; on a read-only one, if it takes them as ioctls (the native transport;
+    one ioctl, which ends a session that does not exist)."""
+    if not os.statvfs(mountpoint).f_flag & os.ST_RDONLY:
+        return True
+    fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDONLY)
+    try:
+        buf = bytearray(CTL_IOC_SIZE)
+        CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, CTL_OP_CLOSE, os.urandom(16), 0, 0)
+        fcntl.ioctl(fd, CTL_IOC, buf, True)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _reply(data: bytes) -> dict[str, Any]:
+    reply = json.loads(data)
     if not reply.get("ok"):
         raise ControlError(str(reply.get("error", "request refused")), str(reply.get("kind", "value")))
     return reply  # type: ignore[no-any-return]
+
+
+def _request_ioctl(mountpoint: str, data: bytes) -> bytes:
+    """Send request line ``data`` through ioctls of CTL_FILE (a read-only mount: see CTL_IOC)
+    and return the reply's bytes. Raises OSError (EROFS: the mount takes none; its transport
+    does not speak this protocol)."""
+    room = CTL_IOC_SIZE - CTL_IOC_IN.size
+    token = os.urandom(16)
+    fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDONLY)
+
+    def call(op: int, offset: int = 0, payload: bytes = b"") -> tuple[int, bytes]:
+        buf = bytearray(CTL_IOC_SIZE)
+        CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, op, token, offset, len(payload))
+        buf[CTL_IOC_IN.size:CTL_IOC_IN.size + len(payload)] = payload
+        try:
+            fcntl.ioctl(fd, CTL_IOC, buf, True)
+        except OSError as e:
+            if e.errno in (errno.ENOTTY, errno.ENOSYS, errno.EINVAL) and op == CTL_OP_WRITE and offset == 0:
+                raise OSError(errno.EROFS, f"{mountpoint} is a read-only tierfs mount whose daemon "
+                                           "takes no control requests (the pyfuse3 transport: "
+                                           "mount it with the native transport, or read-write)") from e
+            raise
+        total, n = CTL_IOC_OUT.unpack_from(buf, 0)
+        if n > CTL_IOC_SIZE - CTL_IOC_OUT.size:
+            raise OSError(errno.EPROTO, f"malformed control reply from {mountpoint}")
+        return total, bytes(buf[CTL_IOC_OUT.size:CTL_IOC_OUT.size + n])
+
+    try:
+        try:
+            for at in range(0, len(data), room):
+                call(CTL_OP_WRITE, at, data[at:at + room])
+        except OSError as e:
+            if e.errno != errno.EFBIG:
+                raise
+            # the daemon cut the request off at its cap; its reply says which
+        parts: list[bytes] = []
+        pos = 0
+        while True:
+            total, piece = call(CTL_OP_READ, pos)
+            parts.append(piece)
+            pos += len(piece)
+            if pos >= total or not piece:
+                break
+        return b"".join(parts)
+    finally:
+        try:
+            call(CTL_OP_CLOSE)
+        except OSError:
+            pass  # the daemon lets an abandoned session go by itself
+        os.close(fd)

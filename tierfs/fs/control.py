@@ -64,6 +64,21 @@ MAX_USER_PENDING_BYTES = 2 * wire.MAX_REQUEST_BYTES
 SHARED_VIEW_UID = 65534
 # how long one rendering answers a user's GETATTRs and READs (ns): see ControlPlane.attrs
 RENDER_STABLE_NS = 1_000_000_000
+# Requests sent as ioctls (a read-only mount: ControlPlane.ioctl): sessions one user other
+# than root may hold at once (a DataLoader's workers send theirs together), and how long an
+# idle session is kept for a client that stopped before closing it (killed mid-request).
+MAX_USER_SESSIONS = 64
+MAX_SESSIONS = 1024
+SESSION_IDLE_S = 120.0
+
+
+@dataclass(eq=False)
+class _Session:
+    """A request sent as ioctls (:meth:`ControlPlane.ioctl`)."""
+
+    handle: ControlHandle
+    used: float  # time.monotonic() of its last piece
+    busy: int = 0  # pieces being served now (never swept meanwhile)
 
 
 class ControlPlane:
@@ -84,6 +99,9 @@ class ControlPlane:
         # inode -> (content, time_ns)
         self.kernel_opens = False
         self.rendered: dict[int, tuple[bytes, int]] = {}
+        # requests sent as ioctls: (uid, token) -> session (see ioctl)
+        self.sessions: dict[tuple[int, bytes], _Session] = {}
+        self.sessions_by_uid: dict[int, int] = {}
         items: list[tuple[str, Callable[[int], bytes], Command | None]] = [
             (n, r, None) for n, r in files.items()]
         items += [(n, lambda uid: b"", c) for n, c in (commands or {}).items()]
@@ -207,6 +225,85 @@ class ControlPlane:
             h.held = 0
         h.closed = True
         h.request = bytearray()
+
+    async def ioctl(self, inode: int, data: bytes, ctx: RequestCtx, nursery: trio.Nursery | None) -> bytes:
+        """A piece of a request sent as ioctls of the command file
+        (:data:`tierfs_hints.wire.CTL_IOC`, where a read-only mount refuses the writes the
+        file takes elsewhere): ``data`` is the ioctl's buffer, the result its out buffer.
+
+        A session is one request on one descriptor's stead: a :class:`ControlHandle` with the
+        credentials of the process that sent its first piece, named by the token the client
+        drew together with that process's uid (a token another user sends finds nothing). Its
+        pieces go through :meth:`write` and :meth:`read`, under the same caps and budgets; it
+        ends at CTL_OP_CLOSE, or after :data:`SESSION_IDLE_S` unused (a client killed
+        mid-request). Raises FuseError: ENOTTY (not the command file), EINVAL (malformed),
+        ENOENT (no such session), EMFILE (too many sessions), and those of :meth:`write`."""
+        cf = self.by_inode.get(inode)
+        if cf is None or cf.command is None:
+            raise FuseError(errno.ENOTTY)
+        if len(data) < wire.CTL_IOC_IN.size:
+            raise FuseError(errno.EINVAL)
+        magic, op, token, offset, n = wire.CTL_IOC_IN.unpack_from(data, 0)
+        if magic != wire.CTL_IOC_MAGIC or n > len(data) - wire.CTL_IOC_IN.size:
+            raise FuseError(errno.EINVAL)
+        key = (ctx.uid, bytes(token))
+        s = self.sessions.get(key)
+        if op == wire.CTL_OP_CLOSE:
+            if s is not None:
+                self._end_session(key, s)
+            return wire.CTL_IOC_OUT.pack(0, 0)
+        if op == wire.CTL_OP_WRITE:
+            if s is None:
+                s = self._new_session(key, cf, ctx)
+            s.used = time.monotonic()
+            s.busy += 1
+            try:
+                await self.write(s.handle, data[wire.CTL_IOC_IN.size:wire.CTL_IOC_IN.size + n], nursery)
+            finally:
+                s.busy -= 1
+                s.used = time.monotonic()
+            return wire.CTL_IOC_OUT.pack(0, 0)
+        if op == wire.CTL_OP_READ:
+            if s is None:
+                raise FuseError(errno.ENOENT)
+            s.busy += 1
+            try:
+                piece = await self.read(s.handle, offset, wire.CTL_IOC_SIZE - wire.CTL_IOC_OUT.size)
+            finally:
+                s.busy -= 1
+                s.used = time.monotonic()
+            return wire.CTL_IOC_OUT.pack(len(s.handle.data), len(piece)) + piece
+        raise FuseError(errno.EINVAL)
+
+    def _new_session(self, key: tuple[int, bytes], cf: ControlFile, ctx: RequestCtx) -> _Session:
+        self._sweep_sessions()
+        uid = key[0]
+        if len(self.sessions) >= MAX_SESSIONS or (uid != 0 and self.sessions_by_uid.get(uid, 0) >= MAX_USER_SESSIONS):
+            logevents.event(log, logging.INFO, f"ctl-sessions:{uid}",
+                            "control request of uid %d (pid %d) refused: too many sessions open", uid, ctx.pid)
+            raise FuseError(errno.EMFILE)
+        # as an open of the file takes them (ControlPlane.open): one procfs read
+        h = ControlHandle(b"", name=cf.name, caller=caller_of(ctx.uid, ctx.gid, ctx.pid))
+        s = self.sessions[key] = _Session(h, time.monotonic())
+        self.sessions_by_uid[uid] = self.sessions_by_uid.get(uid, 0) + 1
+        return s
+
+    def _end_session(self, key: tuple[int, bytes], s: _Session) -> None:
+        if self.sessions.pop(key, None) is None:
+            return
+        self.release(s.handle)
+        left = self.sessions_by_uid.get(key[0], 0) - 1
+        if left > 0:
+            self.sessions_by_uid[key[0]] = left
+        else:
+            self.sessions_by_uid.pop(key[0], None)
+
+    def _sweep_sessions(self) -> None:
+        """End the sessions nobody used for :data:`SESSION_IDLE_S` (none waits in them)."""
+        old = time.monotonic() - SESSION_IDLE_S
+        for key, s in list(self.sessions.items()):
+            if s.busy == 0 and s.used < old:
+                self._end_session(key, s)
 
     def _refuse(self, h: ControlHandle, buf: bytes, error: str) -> FuseError:
         """Cut a request off here, not at the newline: a request line used to grow without

@@ -1037,6 +1037,13 @@ class Handlers:
                 or (off == 0 and f.size <= self.cache.chunk_size)):  # a one-chunk file: at once
             self.on_read_end(h.pid, entry.path)
 
+    async def control_ioctl(self, inode: int, data: bytes, ctx: RequestCtx) -> bytes:
+        """One piece of a control request sent as an ioctl of the command file (a read-only
+        mount: :data:`tierfs_hints.wire.CTL_IOC`); the ioctl's out buffer. Raises FuseError
+        (ENOTTY: not the command file; the rest as :meth:`ControlPlane.ioctl`)."""
+        with self._op("ioctl"):
+            return await self.control.ioctl(inode, data, ctx, self.nursery)
+
     async def write(self, fh: int, off: int, buf: bytes, ctx: RequestCtx | None = None,
                     kill_suidgid: bool = False) -> int:
         """Write ``buf`` at byte ``off`` of handle ``fh``; the bytes written. ``kill_suidgid``:

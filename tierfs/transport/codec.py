@@ -125,6 +125,8 @@ _FSYNC_IN = struct.Struct("<QII")
 _SETXATTR_IN = struct.Struct("<II")
 _GETXATTR_IN = struct.Struct("<II")
 _FLUSH_IN = struct.Struct("<QIIQ")
+_IOCTL_IN = struct.Struct("<QIIQII")  # fh flags cmd arg in_size out_size (32 bytes)
+IOCTL_OUT = struct.Struct("<iIII")  # result flags in_iovs out_iovs
 _INIT_IN_OLD = struct.Struct("<IIII")  # before 7.36
 _INIT_IN = struct.Struct("<IIIII")  # + flags2 (the rest is unused)
 _ACCESS_IN = struct.Struct("<II")
@@ -298,6 +300,14 @@ def _setxattr(b: _Body) -> dict[str, Any]:
     return {"flags": flags, "name": name, "value": value}
 
 
+def _ioctl(b: _Body) -> dict[str, Any]:
+    fh, flags, cmd, _arg, in_size, out_size = b.unpack(_IOCTL_IN)
+    data = b.rest()
+    if len(data) != in_size:
+        raise b.bad(f"in_size {in_size} but {len(data)} bytes of data")
+    return {"fh": fh, "flags": flags, "cmd": cmd, "data": data, "out_size": out_size}
+
+
 def _batch_forget(b: _Body) -> dict[str, Any]:
     count, _ = b.unpack(_BATCH_FORGET_IN)
     if count > MAX_FORGETS or count * _FORGET_ONE.size > len(b.buf) - b.pos:
@@ -365,6 +375,7 @@ _DECODERS = {
     ACCESS: _fields(_ACCESS_IN, ("mask", "_")),
     CREATE: _fields(_CREATE_IN, ("flags", "mode", "umask", "open_flags"), name=True),
     INTERRUPT: _fields(_INTERRUPT_IN, ("unique",)),
+    IOCTL: _ioctl,
     DESTROY: _nothing,
 }
 
@@ -377,6 +388,12 @@ def out_header(unique: int, error: int, payload_len: int) -> bytes:
 
 def reply(unique: int, payload: bytes = b"") -> bytes:
     return out_header(unique, 0, len(payload)) + payload
+
+
+def ioctl_out(data: bytes) -> bytes:
+    """A restricted ioctl's success (result 0) with ``data``: what the kernel copies back to
+    the caller's buffer (at most the ioctl's size: fs/fuse/ioctl.c)."""
+    return IOCTL_OUT.pack(0, 0, 0, 0) + data
 
 
 def error_reply(unique: int, err: int) -> bytes:

@@ -45,6 +45,7 @@ from tierfs.errors import MountError
 from tierfs.fs.api import Ctx, FuseError, OpenReply, SetAttr
 from tierfs.fs.handlers import Handlers
 from tierfs.transport import codec as c
+from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.transport")
 
@@ -67,7 +68,7 @@ BURST = 16  # requests a worker serves back to back before it lets the loop's ot
 # change is worse than a slow one). Lookups, attributes, xattrs and directory listings are not
 # worth a cancel scope each (~5 us, 10-15 % of a lookup's round trip in a walk): their only
 # wait is a metadata call, which a cancel cannot stop in its worker thread anyway.
-INTERRUPTIBLE = frozenset({c.READ, c.FSYNC})
+INTERRUPTIBLE = frozenset({c.READ, c.FSYNC, c.IOCTL})
 NO_REPLY = frozenset({c.FORGET, c.BATCH_FORGET})
 _TASK_NAMES = {op: f"fuse.{name}" for op, name in c.OPCODE_NAMES.items()}  # (not an f-string per request)
 _OPENS = {c.OPEN: 0, c.OPENDIR: 0, c.CREATE: c.ENTRY_HEAD.size + c.ATTR.size}  # where fh is in the reply
@@ -668,8 +669,9 @@ class NativeSession:
             self.refused_read_only += 1
             self._send(c.error_reply(req.unique, errno.EROFS))
             return None
-        if op == c.IOCTL:
-            # No file of tierfs has ioctls. The kernel sends every ioctl of a file to the
+        if op == c.IOCTL and not (self.read_only and req.args["cmd"] == wire.CTL_IOC):
+            # No file of tierfs has ioctls but the control file's on a read-only mount
+            # (wire.CTL_IOC: its requests, which it cannot take as writes there). The kernel sends every ioctl of a file to the
             # daemon, and Python's built-in open() (with its default buffering) asks isatty(),
             # a TCGETS ioctl: one request per file a Dataset opens that way (PIL's loaders do).
             # Answered here, as the kernel would answer ENOSYS, with no handler task.
@@ -914,6 +916,13 @@ class NativeSession:
         names = await self.h.listxattr(req.nodeid, self.ctx(req))
         return _sized(b"".join(n + b"\0" for n in names), req.args["size"])
 
+    async def op_ioctl(self, req: c.Request) -> bytes:
+        """A control request's piece on a read-only mount (wire.CTL_IOC; the only ioctl that
+        reaches a handler: _dispatch answers the others)."""
+        a = req.args
+        out = await self.h.control_ioctl(req.nodeid, bytes(a["data"]), self.ctx(req))
+        return c.ioctl_out(out[: a["out_size"]])
+
     async def op_setattr(self, req: c.Request) -> bytes:
         a = req.args
         v = a["valid"]
@@ -1059,5 +1068,6 @@ _HANDLERS: dict[int, _Handler] = {
     c.RELEASEDIR: _simple(lambda s, r: s.h.releasedir(r.args["fh"])),
     c.FSYNCDIR: _simple(lambda s, r: s.h.fsyncdir(r.args["fh"], bool(r.args["fsync_flags"] & c.FSYNC_FDATASYNC))),
     c.ACCESS: _nothing,  # default_permissions: the kernel checks modes
+    c.IOCTL: NativeSession.op_ioctl,
     c.DESTROY: _destroy,
 }
