@@ -12,6 +12,7 @@ import json
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -160,6 +161,27 @@ def test_passthrough_writes_send_the_daemon_no_request_per_write(nm: Mount) -> N
     assert sum(grew.values()) < 20, grew
     got = (nm.mnt / "many-writes").read_bytes()
     assert len(got) == n * 4096 and got[-4096:] == (n - 1).to_bytes(4, "little") * 1024
+
+def test_a_new_files_capability_is_answered_as_the_request_is_read(nm: Mount) -> None:
+    """The kernel asks for security.capability before the first write and each change of owner
+    of a file (tar -x: twice per file): for a file tierfs created, which has none, it is
+    answered with no task; once one is set, the handler reads it."""
+    f = nm.mnt / "caps.bin"
+    before = transport_stats(nm)["getxattrs_answered_at_once"]
+    f.write_bytes(b"x" * 100)
+    with pytest.raises(OSError) as e:
+        os.getxattr(f, "security.capability")
+    assert e.value.errno == errno.ENODATA
+    assert transport_stats(nm)["getxattrs_answered_at_once"] - before >= 2  # the write's, and ours
+    value = struct.pack("<IIIII", 0x02000000, 1 << 10, 0, 0, 0)  # cap_net_bind_service
+    os.setxattr(f, "security.capability", value)
+    mid = transport_stats(nm)["getxattrs_answered_at_once"]
+    assert os.getxattr(f, "security.capability") == value
+    assert transport_stats(nm)["getxattrs_answered_at_once"] == mid
+    with pytest.raises(OSError) as e:
+        os.getxattr(f, "user.none")
+    assert e.value.errno == errno.ENODATA
+
 
 def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     data = write_random(nm.backing / "many", MiB)

@@ -383,6 +383,7 @@ class NativeSession:
         self.ioctls = 0  # answered ENOTTY (tierfs files have no ioctls)
         self.refused_read_only = 0  # changes answered EROFS (a read-only mount)
         self.reads_now = 0  # READs answered as read, with no task (Handlers.read_inode_now)
+        self.getxattrs_now = 0  # GETXATTRs likewise (Handlers.getxattr_now)
 
     @property
     def passthrough(self) -> bool:
@@ -678,6 +679,12 @@ class NativeSession:
             self.ioctls += 1
             self._send(c.error_reply(req.unique, errno.ENOTTY))
             return None
+        if op == c.GETXATTR:
+            err = self.h.getxattr_now(req.nodeid, req.args["name"])
+            if err is not None:  # answered with no task (Handlers.getxattr_now)
+                self.getxattrs_now += 1
+                self._send(c.error_reply(req.unique, err))
+                return None
         handler = _HANDLERS.get(op)
         if handler is None:
             self.unknown += 1
@@ -953,6 +960,7 @@ class NativeSession:
             "busy_poll_misses": self.busy_poll_misses, "epoll_waits": self.epoll_waits,
             "ioctls": self.ioctls, "read_only": self.read_only, "kernel_opens": self.kernel_opens,
             "refused_read_only": self.refused_read_only, "reads_answered_at_once": self.reads_now,
+            "getxattrs_answered_at_once": self.getxattrs_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
