@@ -576,6 +576,30 @@ def test_dead_daemon_never_leaves_enotconn(tiermount) -> None:
     assert tmp_names_under(m.backing) == []
 
 
+def test_umount_of_a_dead_mount_frees_a_ram_tier_outside_dev_shm(tiermount, tmp_path: Path) -> None:
+    """The RAM tier may live under any ``ram_dir``: `tierfs umount` of the dead mount finds it
+    where the daemon wrote it down, not only under /dev/shm."""
+    from tierfs.mount import mount_id
+
+    ram_dir = tmp_path / "ramdir"
+    ram_dir.mkdir()
+    (tmp_path / "back" / "data.bin").write_bytes(rand_bytes(5, 3 * MiB))
+    m = tiermount(ram="64MiB", extra=("-o", f"ram_dir={ram_dir}"))
+    tier = ram_dir / "tierfs" / mount_id(str(m.mnt))
+    assert sha_file(m.mnt / "data.bin") == hashlib.sha256((m.backing / "data.bin").read_bytes()).hexdigest()
+    for _ in range(300):  # the read's chunks reach the RAM tier
+        if sum(f.stat().st_blocks for f in (tier / "data").rglob("*") if f.is_file()):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("nothing of the read in the RAM tier")
+    m.kill9()
+    r = tierfs_cmd("umount", str(m.mnt))
+    assert "dead mount" in r.stdout and "RAM tier" in r.stdout, r.stdout
+    assert not is_mounted(m.mnt)
+    assert sum(f.stat().st_blocks for f in (tier / "data").rglob("*") if f.is_file()) == 0
+
+
 # -- bugs ----------------------------------------------------------------------------------------
 def test_kill9_during_copy_up_keeps_backing_file(tiermount) -> None:
     """Opening an existing file for writing (``open(p, "r+b")``, ``np.memmap(mode="r+")``) makes

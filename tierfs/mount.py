@@ -177,12 +177,61 @@ def unmount(path: str, *, lazy: bool = False) -> bool:
     return r.returncode == 0
 
 
-def free_dead_ram_tier(mountpoint: str, ram_dir: str = "/dev/shm") -> bool:
+RAM_TIER_RECORD = "ram_tier"  # in the state directory: where the mount's RAM tier is
+
+
+def record_ram_tier(state_dir: str, path: str) -> None:
+    """Write down, in the mount's private state directory, where its RAM tier is (its
+    ``ram_dir`` may be any tmpfs): :func:`free_dead_ram_tier` finds it there after the daemon
+    died. Raises OSError or MountError (the state directory is not private)."""
+    fd = open_state_dir(state_dir)
+    try:
+        private.remove(fd, RAM_TIER_RECORD)
+        wfd = private.create_file(fd, RAM_TIER_RECORD, os.O_WRONLY)
+        try:
+            os.write(wfd, os.fsencode(path))
+        finally:
+            os.close(wfd)
+    finally:
+        os.close(fd)
+
+
+def recorded_ram_tier(mountpoint: str) -> str | None:
+    """The RAM tier :func:`record_ram_tier` wrote down for ``mountpoint``, or None (none
+    written, not private, or not a RAM tier's path for this mountpoint: ``.../tierfs/<id>``)."""
+    state_dir = state_dir_for(mountpoint)
+    if not os.path.isdir(state_dir):
+        return None
+    try:
+        fd = open_state_dir(state_dir)
+    except MountError:
+        return None
+    try:
+        rfd = private.open_file(fd, RAM_TIER_RECORD, os.O_RDONLY, create=False)
+        try:
+            path = os.fsdecode(os.read(rfd, 8192))
+        finally:
+            os.close(rfd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    parent = os.path.dirname(path)
+    if not os.path.isabs(path) or os.path.basename(path) != mount_id(mountpoint) \
+            or os.path.basename(parent) != RAM_PARENT:
+        return None
+    return path
+
+
+def free_dead_ram_tier(mountpoint: str) -> bool:
     """After a daemon died: remove its RAM tier's cached data (it holds memory), unless a live
     daemon holds the tier or it has dirty files waiting for write-back (their journal is there;
-    the next mount writes them back). A tier directory that is not private to us (a symlink,
-    another user's) is never touched. Returns True if memory was freed."""
-    return free_unheld_ram_tier(ram_tier_path(ram_dir, mountpoint), whole=False)
+    the next mount writes them back). The tier is the one the daemon wrote down at its mount
+    (:func:`record_ram_tier`: any ``ram_dir``), else ``/dev/shm``'s. A tier directory that is not
+    private to us (a symlink, another user's) is never touched. Returns True if memory was
+    freed."""
+    path = recorded_ram_tier(mountpoint) or ram_tier_path("/dev/shm", mountpoint)
+    return free_unheld_ram_tier(path, whole=False)
 
 
 def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
@@ -440,6 +489,11 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         lock_fds.append(private.lock(tier.dir_fd, tp.path))
         if tp.name == "ram":
             tier.wipe()  # a RAM tier never outlives its daemon
+            try:
+                record_ram_tier(plan.state_dir, tp.path)
+            except (OSError, MountError) as e:  # only `tierfs umount` of a dead mount needs it
+                log.warning("could not write down where the RAM tier is (%s): after a crash, "
+                            "`tierfs doctor --free` frees it", e)
         else:
             ssd_catalog = SsdCatalog(_private_db(tier, "catalog.sqlite"))
         devices.append(io.Device(tp.name, 4))
