@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -221,9 +222,13 @@ def force_unmount(m: Mount) -> None:
                 pass
         # A killed daemon leaves its RAM tier in /dev/shm (on purpose: a RAM write tier's dirty
         # files must survive it); a test's mountpoint is never mounted again, so remove it.
-        from tierfs.mount import ram_tier_path, remove_ram_tier
+        from tierfs.mount import ram_tier_path, remove_ram_tier, state_dir_for
 
         remove_ram_tier(ram_tier_path("/dev/shm", str(m.mnt)), keep_dirty=False)
+        # and its state directory (its log): kept for the user of a real mountpoint, one per
+        # mountpoint, but every test mounts a new one (thousands a run)
+        if not is_mounted(m.mnt):
+            shutil.rmtree(state_dir_for(str(m.mnt)), ignore_errors=True)
     assert not is_mounted(m.mnt), f"{m.mnt} is still mounted"
     fail_on_blocked_loop(blocked)
 
