@@ -84,3 +84,63 @@ def test_truncate_past_backing_max_file_size(tiermount, tmp_path: Path) -> None:
     tierfs_cmd("flush", str(m.mnt), timeout=60)
     assert m.stats()["writeback"]["failures"] == 0
     assert os.stat(tmp_path / "back" / "f").st_size == os.stat(f).st_size
+
+
+def _sparse_backing_file(path: Path, size: int) -> tuple[bytes, bytes, int]:
+    """A file of ``size`` bytes with data at its start and in its middle, holes elsewhere."""
+    a, b = os.urandom(64 * 1024 + 5), os.urandom(3 * 4096)
+    mid = size // 2
+    with open(path, "wb") as fh:
+        fh.write(a)
+        fh.seek(mid)
+        fh.write(b)
+        fh.truncate(size)
+    assert os.stat(path).st_blocks * 512 < MiB  # (a filesystem with holes: ext4, tmpfs)
+    return a, b, mid
+
+
+def test_a_copy_up_keeps_the_holes(tiermount, tmp_path: Path) -> None:
+    """Opening a sparse file of the backing store for writing copies only its data segments
+    into the write tier: a 1 GiB file with 80 KiB of data, through a 64 MiB RAM tier, is
+    written at once instead of being written through, and goes back with its holes."""
+    size = 1 << 30
+    a, b, mid = _sparse_backing_file(tmp_path / "back" / "img", size)
+    m = tiermount(ram="64MiB")
+    with open(m.mnt / "img", "r+b") as fh:
+        fh.seek(7 * MiB)
+        fh.write(b"hello")
+        fh.flush()
+        wb = m.stats()["writeback"]
+        assert wb["dirty_files"] == 1 and wb["through_files"] == 0, wb
+        assert m.tier("ram")["dirty_bytes"] < 2 * MiB
+    with open(m.mnt / "img", "rb") as fh:
+        assert fh.read(len(a)) == a
+        assert os.pread(fh.fileno(), 5, 7 * MiB) == b"hello"
+        assert os.pread(fh.fileno(), len(b), mid) == b
+        assert os.pread(fh.fileno(), 4096, 300 * MiB) == b"\0" * 4096
+    tierfs_cmd("flush", str(m.mnt), timeout=60)
+    back = tmp_path / "back" / "img"
+    assert os.stat(back).st_size == size and os.stat(back).st_blocks * 512 < 4 * MiB
+    with open(back, "rb") as fh:
+        assert fh.read(len(a)) == a
+        assert os.pread(fh.fileno(), 5, 7 * MiB) == b"hello"
+        assert os.pread(fh.fileno(), len(b), mid) == b
+    assert m.stats()["writeback"]["failures"] == 0
+
+
+def test_an_unlinked_sparse_file_larger_than_the_write_tier_can_be_written(tiermount, tmp_path: Path) -> None:
+    """A descriptor of a file unlinked after its open writes to an anonymous copy, which must fit
+    in the write tier: a sparse file larger than the tier fits when its holes stay holes."""
+    size = 256 * MiB
+    a, b, mid = _sparse_backing_file(tmp_path / "back" / "f", size)
+    m = tiermount(ram="32MiB")
+    fd = os.open(m.mnt / "f", os.O_RDWR)
+    try:
+        os.unlink(m.mnt / "f")
+        assert os.pwrite(fd, b"new", 1000) == 3
+        assert os.pread(fd, 3, 1000) == b"new"
+        assert os.pread(fd, len(b), mid) == b
+        assert os.pread(fd, 10, 100 * MiB) == b"\0" * 10
+        assert os.fstat(fd).st_size == size
+    finally:
+        os.close(fd)

@@ -45,6 +45,7 @@ from tierfs.fs.handles import HandleTable
 from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
 from tierfs.sched.backing import BackingFile, Identity, Openings, key_path
+from tierfs.writeback.backing_ops import data_segments
 from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
 from tierfs_hints import wire
 
@@ -762,9 +763,11 @@ class Namespace:
             bf = await self.backing_file(path)
             access = AccessState()
             try:
+                segments = await self.meta.run(data_segments, bf.fd, st.st_size)
                 # xattrs are read through the open descriptor (/proc/self/fd/N), not a path
                 df = await self.wb.copy_up(
-                    path, st, lambda off, n: self.cache.read(bf, off, n, access), proc_path(bf.fd))
+                    path, st, lambda off, n: self.cache.read(bf, off, n, access), proc_path(bf.fd),
+                    segments)
             finally:
                 self.cache.forget_access(access)
                 self.release_backing(bf)
@@ -801,8 +804,9 @@ class Namespace:
             else:
                 access = AccessState()
                 try:
+                    segments = await self.meta.run(data_segments, src.fd, st.st_size)
                     df = await self.wb.copy_up(None, st, lambda off, n: self.cache.read(src, off, n, access),
-                                               proc_path(src.fd))
+                                               proc_path(src.fd), segments)
                 finally:
                     self.cache.forget_access(access)
         finally:

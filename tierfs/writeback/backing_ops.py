@@ -67,6 +67,35 @@ def _copy_data(src: int, dst: int, offset: int, end: int, limit: int, durable: b
     return off, copied
 
 
+MAX_SEGMENTS = 4096  # data segments a copy-up follows; a file in more pieces is copied whole
+
+
+def data_segments(fd: int, size: int) -> list[tuple[int, int]] | None:
+    """The data segments ``[(start, end), ...]`` (bytes) of the first ``size`` bytes of file
+    ``fd``, from ``SEEK_DATA``/``SEEK_HOLE``: what a copy of it must copy (the rest are holes,
+    read as zeros). None when the filesystem cannot tell or the file is in more than
+    :data:`MAX_SEGMENTS` pieces (then copy it whole). Raises OSError."""
+    out: list[tuple[int, int]] = []
+    off = 0
+    while off < size:
+        try:
+            data = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from here on
+                break
+            if e.errno == errno.EINVAL:  # SEEK_DATA unsupported
+                return None
+            raise
+        if data >= size:
+            break
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), size)
+        if len(out) >= MAX_SEGMENTS:
+            return None
+        out.append((data, hole))
+        off = hole
+    return out
+
+
 def _size_tmp(fd: int, size: int, in_place: bool = False) -> None:
     """Give a write-back's target its final size before the data segments are copied into it,
     so the holes between them stay holes (EFBIG here: the backing filesystem cannot hold a

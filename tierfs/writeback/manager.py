@@ -674,9 +674,12 @@ class WriteBack:
             raise DirtyLimit(f"uid {uid} holds {self._user_files[uid]} dirty files, the most one user may")
 
     async def copy_up(self, path: bytes | None, st: os.stat_result, read: Callable[[int, int], object],
-                      xattr_src: bytes | None) -> DirtyFile:
+                      xattr_src: bytes | None, segments: list[tuple[int, int]] | None = None) -> DirtyFile:
         """A dirty copy of an existing backing file, read through ``await read(offset, n)``
-        (``path`` None: an anonymous copy, see :meth:`create`)."""
+        (``path`` None: an anonymous copy, see :meth:`create`). ``segments``: its data
+        segments (:func:`~tierfs.writeback.backing_ops.data_segments`), the only bytes copied:
+        its holes stay holes in the copy, costing no room in the write tier (None: copied
+        whole)."""
         df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns),
                                journal=False)
         # Until the copy is complete it counts as a writer: the write-back worker must not
@@ -686,12 +689,15 @@ class WriteBack:
             try:
                 if xattr_src is not None:
                     await self.device.run(_copy_xattrs, xattr_src, df.fd)
-                off = 0
-                while off < st.st_size:
-                    n = min(self.slice_size, st.st_size - off)
-                    data = await read(off, n)  # type: ignore[misc]
-                    await self.write(df, off, data, touch_mtime=False)
-                    off += n
+                for start, end in [(0, st.st_size)] if segments is None else segments:
+                    off = start
+                    while off < end:
+                        n = min(self.slice_size, end - off)
+                        data = await read(off, n)  # type: ignore[misc]
+                        await self.write(df, off, data, touch_mtime=False)
+                        off += n
+                if df.size < st.st_size:  # a hole at the end (an extension costs no room)
+                    await self.truncate(df, st.st_size)
                 if st.st_size:
                     async with self._gate(df):
                         await self.device.run(partial(os.utime, df.fd, ns=(st.st_atime_ns, st.st_mtime_ns)))
