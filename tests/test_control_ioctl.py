@@ -122,24 +122,79 @@ async def test_over_its_cap_a_request_is_cut_off_and_the_reply_says_why(monkeypa
 
 
 async def test_sessions_are_bounded_per_user_and_idle_ones_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "MAX_USER_SESSIONS", 8)
+    monkeypatch.setattr(control, "MAX_SESSIONS", 12)
     plane, _ = _plane()
     ctl = plane.by_name[wire.CTL_FILE.encode()].inode
     user = Ctx(1000, 1000)
-    # a client that dies mid-request leaves its session open: one user cannot pile them up
+    # unfinished requests of a client tierfs cannot see end (pid 0): one user cannot pile them up
     for _ in range(control.MAX_USER_SESSIONS):
         await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, os.urandom(16), b'{"op":'), user, None)
     with pytest.raises(FuseError) as e:
         await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, os.urandom(16), b'{"op":'), user, None)
     assert e.value.errno == errno.EMFILE
-    # another user, and root, are not held up by it
-    assert (await _ask(plane, Ctx(1001, 1001), os.urandom(16), b'{"op":"x"}\n'))["ok"]
+    # another user is not held up by it, up to the daemon's cap; root never is
+    for _ in range(4):
+        await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, os.urandom(16), b'{"op":'), Ctx(1001, 1001), None)
+    with pytest.raises(FuseError) as e:
+        await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, os.urandom(16), b'{"op":'), Ctx(1002, 1002), None)
+    assert e.value.errno == errno.EMFILE
     assert (await _ask(plane, Ctx(0, 0), os.urandom(16), b'{"op":"x"}\n'))["ok"]
-    # sessions left idle for SESSION_IDLE_S are let go (their bytes with them) at the next new one
-    monkeypatch.setattr(control, "SESSION_IDLE_S", 0.0)
-    await trio.sleep(0.01)
+    # empty pieces do not keep a session alive; sessions that moved no bytes for
+    # SESSION_IDLE_S go (their bytes with them) at the next new session
+    monkeypatch.setattr(control, "SESSION_IDLE_S", 0.05)
+    monkeypatch.setattr(control, "SWEEP_EVERY_S", 0.0)
+    await trio.sleep(0.1)
+    keep = os.urandom(16)
+    await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, keep, b'{"op":'), Ctx(1003, 1003), None)
+    for _ in range(5):
+        await trio.sleep(0.02)
+        await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, keep, b"", 6), Ctx(1003, 1003), None)
     assert (await _ask(plane, user, os.urandom(16), b'{"op":"x"}\n'))["ok"]
     assert plane.sessions_by_uid == {1000: 1}
     assert plane.pending_by_uid.keys() == {1000}  # the last reply only
+
+
+async def test_a_piece_sent_again_is_taken_once_and_one_out_of_order_is_refused() -> None:
+    plane, seen = _plane()
+    ctl = plane.by_name[wire.CTL_FILE.encode()].inode
+    ctx, token = Ctx(1000, 1000), os.urandom(16)
+    await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, token, b'{"op":'), ctx, None)
+    # the same piece again (its ioctl was interrupted after the daemon took it): taken once
+    await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, token, b'{"op":'), ctx, None)
+    with pytest.raises(FuseError) as e:  # a gap
+        await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, token, b'"x"}\n', 9), ctx, None)
+    assert e.value.errno == errno.EINVAL
+    await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, token, b'"x"}\n', 6), ctx, None)
+    got = await plane.ioctl(ctl, _piece(wire.CTL_OP_READ, token), ctx, None)
+    assert json.loads(got[wire.CTL_IOC_OUT.size:])["n"] == 11
+    assert seen[0][0] == b'{"op":"x"}\n'
+    with pytest.raises(FuseError) as e:  # a session's first piece must start it
+        await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, os.urandom(16), b"x", 5), ctx, None)
+    assert e.value.errno == errno.ENOENT
+
+
+async def test_a_killed_clients_bytes_come_back_before_anyone_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "MAX_USER_PENDING_BYTES", 40_000)
+    plane, _ = _plane()
+    ctl = plane.by_name[wire.CTL_FILE.encode()].inode
+    child = await trio.lowlevel.open_process(["sleep", "60"])
+    try:
+        dead = Ctx(1000, 1000, child.pid)
+        token = os.urandom(16)
+        room = wire.CTL_IOC_SIZE - wire.CTL_IOC_IN.size
+        body = b'{"op":"where","paths":["' + b"z" * 30_000
+        for at in range(0, len(body), room):
+            await plane.ioctl(ctl, _piece(wire.CTL_OP_WRITE, token, body[at:at + room], at), dead, None)
+        assert plane.pending_by_uid[1000] >= 30_000
+    finally:
+        child.kill()
+        await child.wait()
+    # the same user's next request fits: the dead client's session went first
+    reply = await _ask(plane, Ctx(1000, 1000, os.getpid()), os.urandom(16),
+                       b'{"op":"where","paths":["' + b"y" * 20_000 + b'"]}\n')
+    assert reply["ok"]
+    assert len(plane.sessions) == 1
 
 
 # -- through a read-only mount ---------------------------------------------------------------------
@@ -213,3 +268,40 @@ def test_a_read_only_mount_takes_requests_with_each_callers_rights(tiermount, tm
         os.close(fd)
     doc = json.loads((m.mnt / ".tierfs" / "stats.json").read_bytes())
     assert doc["transport"]["unexpected_errors"] == 0
+
+
+def test_the_client_sends_an_interrupted_piece_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A signal with a handler that returns (a DataLoader's SIGCHLD) interrupts the ioctl with
+    EINTR, which fcntl.ioctl does not retry: the client does, and the request goes through; a
+    daemon at its cap of this user's requests (EMFILE) is waited for, briefly."""
+    (tmp_path / wire.CONTROL_DIR).mkdir()
+    (tmp_path / wire.CONTROL_DIR / wire.CTL_FILE).write_bytes(b"")
+    request, reply = bytearray(), json.dumps({"ok": True, "n": 0}).encode()
+    faults = {"write": [InterruptedError(errno.EINTR, "Interrupted system call"),
+                        OSError(errno.EMFILE, "Too many open files")],
+              "read": [InterruptedError(errno.EINTR, "Interrupted system call")]}
+    calls = []
+
+    def ioctl(fd: int, cmd: int, buf: bytearray, mutate: bool) -> int:
+        assert cmd == wire.CTL_IOC and len(buf) == wire.CTL_IOC_SIZE
+        _, op, _, offset, n = wire.CTL_IOC_IN.unpack_from(buf, 0)
+        kind = {wire.CTL_OP_WRITE: "write", wire.CTL_OP_READ: "read", wire.CTL_OP_CLOSE: "close"}[op]
+        calls.append(kind)
+        if faults.get(kind):
+            raise faults[kind].pop(0)
+        if kind == "write":
+            assert offset == len(request)
+            request.extend(buf[wire.CTL_IOC_IN.size:wire.CTL_IOC_IN.size + n])
+        if kind != "read":
+            wire.CTL_IOC_OUT.pack_into(buf, 0, 0, 0)
+        else:
+            piece = reply[offset:offset + 100]
+            wire.CTL_IOC_OUT.pack_into(buf, 0, len(reply), len(piece))
+            buf[wire.CTL_IOC_OUT.size:wire.CTL_IOC_OUT.size + len(piece)] = piece
+        return 0
+
+    monkeypatch.setattr(wire.fcntl, "ioctl", ioctl)
+    got = wire._request_ioctl(str(tmp_path), b'{"op":"where","paths":[]}\n')
+    assert json.loads(got) == {"ok": True, "n": 0}
+    assert bytes(request) == b'{"op":"where","paths":[]}\n'
+    assert calls == ["write", "write", "write", "read", "read", "close"]

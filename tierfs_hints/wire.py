@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import struct
+import time
 from typing import Any
 
 CONTROL_DIR = ".tierfs"
@@ -191,14 +192,31 @@ def _request_ioctl(mountpoint: str, data: bytes) -> bytes:
         buf = bytearray(CTL_IOC_SIZE)
         CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, op, token, offset, len(payload))
         buf[CTL_IOC_IN.size:CTL_IOC_IN.size + len(payload)] = payload
-        try:
-            fcntl.ioctl(fd, CTL_IOC, buf, True)
-        except OSError as e:
-            if e.errno in (errno.ENOTTY, errno.ENOSYS, errno.EINVAL) and op == CTL_OP_WRITE and offset == 0:
-                raise OSError(errno.EROFS, f"{mountpoint} is a read-only tierfs mount whose daemon "
-                                           "takes no control requests (the pyfuse3 transport: "
-                                           "mount it with the native transport, or read-write)") from e
-            raise
+        backoff = 0.01
+        while True:
+            try:
+                fcntl.ioctl(fd, CTL_IOC, buf, True)
+                break
+            except InterruptedError:
+                # a signal with a handler that returned (a DataLoader's SIGCHLD): sent again,
+                # as os.read would be (PEP 475); the daemon takes a WRITE piece once (its offset)
+                continue
+            except OSError as e:
+                if e.errno in (errno.ENOTTY, errno.ENOSYS, errno.EINVAL) and op == CTL_OP_WRITE and offset == 0:
+                    raise OSError(errno.EROFS, f"{mountpoint} is a read-only tierfs mount whose daemon "
+                                               "takes no control requests (the pyfuse3 transport: "
+                                               "mount it with the native transport, or read-write)") from e
+                if e.errno == errno.EMFILE and backoff < 2.0:
+                    time.sleep(backoff)  # the user's requests in flight are at the daemon's cap
+                    backoff *= 2
+                    continue
+                if e.errno == errno.EMFILE:
+                    raise OSError(errno.EMFILE, f"tierfs mount {mountpoint}: this user has too many "
+                                                "control requests in flight; retry later") from e
+                if e.errno == errno.ENOENT:
+                    raise OSError(errno.ENOENT, f"tierfs mount {mountpoint} let this request go "
+                                                "before it was finished (unused too long)") from e
+                raise
         total, n = CTL_IOC_OUT.unpack_from(buf, 0)
         if n > CTL_IOC_SIZE - CTL_IOC_OUT.size:
             raise OSError(errno.EPROTO, f"malformed control reply from {mountpoint}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import time
@@ -64,12 +65,21 @@ MAX_USER_PENDING_BYTES = 2 * wire.MAX_REQUEST_BYTES
 SHARED_VIEW_UID = 65534
 # how long one rendering answers a user's GETATTRs and READs (ns): see ControlPlane.attrs
 RENDER_STABLE_NS = 1_000_000_000
-# Requests sent as ioctls (a read-only mount: ControlPlane.ioctl): sessions one user other
-# than root may hold at once (a DataLoader's workers send theirs together), and how long an
-# idle session is kept for a client that stopped before closing it (killed mid-request).
-MAX_USER_SESSIONS = 64
-MAX_SESSIONS = 1024
+# Requests sent as ioctls (a read-only mount: ControlPlane.ioctl). A session holds a handle and
+# what its request and reply hold (those bytes are bounded by the budgets above): the caps
+# bound the handles. Root is held to neither (as to no byte budget): users filling the daemon's
+# sessions must not lock the operator out. 8 ranks x 10 DataLoader workers waiting on a need
+# at once is ordinary: the per-user cap is far above that (a review: 64 refused 16 of 80).
+MAX_USER_SESSIONS = 1024
+MAX_SESSIONS = 8192
+# A session ends when its client closes it; a client killed mid-request never does: a session
+# whose process is gone is let go at the next new session or refused budget, one that moved no
+# bytes for SESSION_IDLE_S (a process alive but stuck, or one tierfs cannot see: pid 0 in
+# another pid namespace) at the next new session, and one whose request is still not whole
+# after SESSION_MAX_S whatever it does.
 SESSION_IDLE_S = 120.0
+SESSION_MAX_S = 600.0
+SWEEP_EVERY_S = 1.0  # the sweep at a new session reads /proc/PID/stat of each session's process
 
 
 @dataclass(eq=False)
@@ -77,8 +87,26 @@ class _Session:
     """A request sent as ioctls (:meth:`ControlPlane.ioctl`)."""
 
     handle: ControlHandle
-    used: float  # time.monotonic() of its last piece
+    started: float  # time.monotonic() at its first piece
+    used: float  # time.monotonic() of its last piece that moved bytes
+    process: tuple[int, bytes] | None  # (pid, start time) of its sender, None if unknown
+    received: int = 0  # bytes of its request taken (the offset its next piece must have)
     busy: int = 0  # pieces being served now (never swept meanwhile)
+
+
+def _process_of(pid: int) -> tuple[int, bytes] | None:
+    """(pid, its start time from /proc/PID/stat): the process, not a later one with its pid."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return pid, f.read().rsplit(b")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _gone(process: tuple[int, bytes] | None) -> bool:
+    return process is not None and _process_of(process[0]) != process
 
 
 class ControlPlane:
@@ -102,6 +130,7 @@ class ControlPlane:
         # requests sent as ioctls: (uid, token) -> session (see ioctl)
         self.sessions: dict[tuple[int, bytes], _Session] = {}
         self.sessions_by_uid: dict[int, int] = {}
+        self.swept_at = -math.inf  # time.monotonic() of the last sweep at a new session
         items: list[tuple[str, Callable[[int], bytes], Command | None]] = [
             (n, r, None) for n, r in files.items()]
         items += [(n, lambda uid: b"", c) for n, c in (commands or {}).items()]
@@ -112,9 +141,16 @@ class ControlPlane:
 
     def hold(self, uid: int, n: int) -> str | None:
         """Account ``n`` more request bytes held for ``uid``; None if within the budgets, else
-        why not (then nothing is accounted)."""
+        why not (then nothing is accounted). Before refusing, the sessions of clients that are
+        gone give their bytes back (:meth:`_sweep_sessions`)."""
         if uid == 0:
             return None
+        error = self._hold(uid, n)
+        if error is not None and self.sessions and self._sweep_sessions():
+            error = self._hold(uid, n)
+        return error
+
+    def _hold(self, uid: int, n: int) -> str | None:
         mine = self.pending_by_uid.get(uid, 0)
         if mine + n > MAX_USER_PENDING_BYTES:
             return (f"uid {uid} already holds {mine} bytes of requests (MAX_USER_PENDING_BYTES "
@@ -234,9 +270,11 @@ class ControlPlane:
         A session is one request on one descriptor's stead: a :class:`ControlHandle` with the
         credentials of the process that sent its first piece, named by the token the client
         drew together with that process's uid (a token another user sends finds nothing). Its
-        pieces go through :meth:`write` and :meth:`read`, under the same caps and budgets; it
-        ends at CTL_OP_CLOSE, or after :data:`SESSION_IDLE_S` unused (a client killed
-        mid-request). Raises FuseError: ENOTTY (not the command file), EINVAL (malformed),
+        pieces go through :meth:`write` and :meth:`read`, under the same caps and budgets; a
+        WRITE piece carries its offset in the request, so a piece sent again (its ioctl was
+        interrupted by a signal after the daemon took it) is taken once. It ends at
+        CTL_OP_CLOSE, or when its client is gone (see :data:`SESSION_IDLE_S`). Raises
+        FuseError: ENOTTY (not the command file), EINVAL (malformed, or a piece out of order),
         ENOENT (no such session), EMFILE (too many sessions), and those of :meth:`write`."""
         cf = self.by_inode.get(inode)
         if cf is None or cf.command is None:
@@ -254,10 +292,18 @@ class ControlPlane:
             return wire.CTL_IOC_OUT.pack(0, 0)
         if op == wire.CTL_OP_WRITE:
             if s is None:
+                if offset:
+                    raise FuseError(errno.ENOENT)  # (let go meanwhile: its start is lost)
                 s = self._new_session(key, cf, ctx)
-            s.used = time.monotonic()
+            if offset + n <= s.received and n:
+                return wire.CTL_IOC_OUT.pack(0, 0)  # sent again after an interrupted ioctl: taken
+            if offset != s.received:
+                raise FuseError(errno.EINVAL)
+            if n == 0:
+                return wire.CTL_IOC_OUT.pack(0, 0)
             s.busy += 1
             try:
+                s.received += n
                 await self.write(s.handle, data[wire.CTL_IOC_IN.size:wire.CTL_IOC_IN.size + n], nursery)
             finally:
                 s.busy -= 1
@@ -275,16 +321,23 @@ class ControlPlane:
             return wire.CTL_IOC_OUT.pack(len(s.handle.data), len(piece)) + piece
         raise FuseError(errno.EINVAL)
 
+    def _full(self, uid: int) -> bool:
+        return uid != 0 and (len(self.sessions) >= MAX_SESSIONS
+                             or self.sessions_by_uid.get(uid, 0) >= MAX_USER_SESSIONS)
+
     def _new_session(self, key: tuple[int, bytes], cf: ControlFile, ctx: RequestCtx) -> _Session:
-        self._sweep_sessions()
         uid = key[0]
-        if len(self.sessions) >= MAX_SESSIONS or (uid != 0 and self.sessions_by_uid.get(uid, 0) >= MAX_USER_SESSIONS):
+        now = time.monotonic()
+        if self.sessions and (now - self.swept_at >= SWEEP_EVERY_S or self._full(uid)):
+            self.swept_at = now
+            self._sweep_sessions()
+        if self._full(uid):
             logevents.event(log, logging.INFO, f"ctl-sessions:{uid}",
-                            "control request of uid %d (pid %d) refused: too many sessions open", uid, ctx.pid)
+                            "control request of uid %d (pid %d) refused: too many requests in flight", uid, ctx.pid)
             raise FuseError(errno.EMFILE)
         # as an open of the file takes them (ControlPlane.open): one procfs read
         h = ControlHandle(b"", name=cf.name, caller=caller_of(ctx.uid, ctx.gid, ctx.pid))
-        s = self.sessions[key] = _Session(h, time.monotonic())
+        s = self.sessions[key] = _Session(h, now, now, _process_of(ctx.pid))
         self.sessions_by_uid[uid] = self.sessions_by_uid.get(uid, 0) + 1
         return s
 
@@ -298,12 +351,21 @@ class ControlPlane:
         else:
             self.sessions_by_uid.pop(key[0], None)
 
-    def _sweep_sessions(self) -> None:
-        """End the sessions nobody used for :data:`SESSION_IDLE_S` (none waits in them)."""
-        old = time.monotonic() - SESSION_IDLE_S
+    def _sweep_sessions(self) -> bool:
+        """End the sessions no piece is being served in whose process is gone, that moved no
+        bytes for :data:`SESSION_IDLE_S`, or whose request is not whole after
+        :data:`SESSION_MAX_S`. Returns whether it ended any."""
+        now = time.monotonic()
+        ended = False
         for key, s in list(self.sessions.items()):
-            if s.busy == 0 and s.used < old:
+            if s.busy:
+                continue
+            unfinished = s.handle.answered is None and not s.handle.data
+            if now - s.used > SESSION_IDLE_S or (unfinished and now - s.started > SESSION_MAX_S) \
+                    or _gone(s.process):
                 self._end_session(key, s)
+                ended = True
+        return ended
 
     def _refuse(self, h: ControlHandle, buf: bytes, error: str) -> FuseError:
         """Cut a request off here, not at the newline: a request line used to grow without

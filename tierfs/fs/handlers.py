@@ -1055,7 +1055,7 @@ class Handlers:
         """One piece of a control request sent as an ioctl of the command file (a read-only
         mount: :data:`tierfs_hints.wire.CTL_IOC`); the ioctl's out buffer. Raises FuseError
         (ENOTTY: not the command file; the rest as :meth:`ControlPlane.ioctl`)."""
-        with self._op("ioctl"):
+        with self._op("ioctl", changes=False):  # (a piece may wait for its reply: MAX_WAIT_S)
             return await self.control.ioctl(inode, data, ctx, self.nursery)
 
     async def write(self, fh: int, off: int, buf: bytes, ctx: RequestCtx | None = None,
