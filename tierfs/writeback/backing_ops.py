@@ -19,17 +19,44 @@ from tierfs.io import pread_exact, pwrite_all, sync_range
 log = logging.getLogger("tierfs.writeback")
 
 
-def _copy_xattrs(src: int | bytes, dst: int) -> None:
+# xattrs a copy carries: users' own, and trusted.* (root's: the kernel lets only CAP_SYS_ADMIN
+# set them through the mount). A write-back also carries security.capability (set through the
+# mount by a caller with CAP_SETFCAP, the kernel checks it): it was dropped, and a `setcap` on a
+# file written through the mount did nothing once the file was written back. A copy-up does not:
+# the first write of a file drops its capabilities (as on a local filesystem), and a copy-up is
+# made for a write.
+COPIED_XATTRS = ("user.", "trusted.")
+CAPS_XATTR_NAME = "security.capability"
+
+
+def _copy_xattrs(src: int | bytes, dst: int, caps: bool = False, exact: bool = False) -> None:
+    """Copy ``src``'s xattrs of :data:`COPIED_XATTRS` (and ``security.capability`` with
+    ``caps``) onto ``dst``; any that ``dst`` refuses is left out (a backing filesystem without
+    xattrs, or without trusted.* for this user). ``exact``: ``dst`` holds an older version of
+    the file (a write-back in place), whose xattrs of those names that ``src`` no longer has
+    are removed."""
+    def copied(n: str) -> bool:
+        return n.startswith(COPIED_XATTRS) or (caps and n == CAPS_XATTR_NAME)
+
     try:
-        names = os.listxattr(src)
+        names = [n for n in os.listxattr(src) if copied(n)]
     except OSError:
         return
-    for n in names:
-        if n.startswith("user."):
+    if exact:
+        try:
+            old = [n for n in os.listxattr(dst) if copied(n) and n not in names]
+        except OSError:
+            old = []
+        for n in old:
             try:
-                os.setxattr(dst, n, os.getxattr(src, n))
+                os.removexattr(dst, n)
             except OSError:
                 pass
+    for n in names:
+        try:
+            os.setxattr(dst, n, os.getxattr(src, n))
+        except OSError:
+            pass
 
 
 def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
@@ -169,6 +196,9 @@ def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
     os.ftruncate(dst, size)
     st = os.fstat(src)
     os.fchmod(dst, st.st_mode & 0o7777)
+    # after the data (a write drops the inode's capabilities) and the chmod: the xattrs the
+    # file has through the mount, and no others of those names
+    _copy_xattrs(src, dst, caps=True, exact=True)
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
     os.fsync(dst)
     return os.fstat(dst)
@@ -335,7 +365,8 @@ def lock_backing(tree: BackingTree) -> int:
 
 
 def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
-    """Mode, owner and user xattrs of ``src`` onto ``dst``; returns ``src``'s stat."""
+    """Mode, owner and xattrs (:func:`_copy_xattrs`, capabilities included: after the chown,
+    which would drop them) of ``src`` onto ``dst``; returns ``src``'s stat."""
     st = os.fstat(src)
     try:
         os.fchown(dst, st.st_uid, st.st_gid)
@@ -344,7 +375,7 @@ def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
     # after the chown, which clears setuid/setgid: written back in the other order, a setuid
     # file lost its 0o4000 on the backing store (test_same_as_local[chmod_chown], ~1 run in 6)
     os.fchmod(dst, st.st_mode & 0o7777)
-    _copy_xattrs(src, dst)
+    _copy_xattrs(src, dst, caps=True)
     return st
 
 
