@@ -80,6 +80,7 @@ MAX_SESSIONS = 8192
 SESSION_IDLE_S = 120.0
 SESSION_MAX_S = 600.0
 SWEEP_EVERY_S = 1.0  # the sweep at a new session reads /proc/PID/stat of each session's process
+MAX_SWEEP_CHECKS = 256  # ... of at most this many (idle a second or more, the oldest first)
 
 
 @dataclass(eq=False)
@@ -146,7 +147,7 @@ class ControlPlane:
         if uid == 0:
             return None
         error = self._hold(uid, n)
-        if error is not None and self.sessions and self._sweep_sessions():
+        if error is not None and self.sessions and self._sweep_sessions(eager=True):
             error = self._hold(uid, n)
         return error
 
@@ -351,18 +352,25 @@ class ControlPlane:
         else:
             self.sessions_by_uid.pop(key[0], None)
 
-    def _sweep_sessions(self) -> bool:
+    def _sweep_sessions(self, eager: bool = False) -> bool:
         """End the sessions no piece is being served in whose process is gone, that moved no
         bytes for :data:`SESSION_IDLE_S`, or whose request is not whole after
-        :data:`SESSION_MAX_S`. Returns whether it ended any."""
+        :data:`SESSION_MAX_S`. A process is looked up (in /proc, on the event loop) for at
+        most :data:`MAX_SWEEP_CHECKS` sessions, the oldest first, and only for those idle a
+        second or more unless ``eager`` (a budget about to be refused). Returns whether it
+        ended any."""
         now = time.monotonic()
         ended = False
-        for key, s in list(self.sessions.items()):
+        checks = 0  # /proc reads, bounded per sweep (it runs on the event loop)
+        for key, s in list(self.sessions.items()):  # the oldest first
             if s.busy:
                 continue
             unfinished = s.handle.answered is None and not s.handle.data
-            if now - s.used > SESSION_IDLE_S or (unfinished and now - s.started > SESSION_MAX_S) \
-                    or _gone(s.process):
+            gone = False
+            if (eager or now - s.used > SWEEP_EVERY_S) and checks < MAX_SWEEP_CHECKS:
+                checks += 1  # (a live client's pieces follow each other within microseconds)
+                gone = _gone(s.process)
+            if gone or now - s.used > SESSION_IDLE_S or (unfinished and now - s.started > SESSION_MAX_S):
                 self._end_session(key, s)
                 ended = True
         return ended
