@@ -12,6 +12,7 @@ and a JSON line per offending daemon appended to ``$TIERFS_TEST_LOOP_REPORT`` if
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,37 @@ def loop_offenders(m: Mount) -> Blocked | None:
             f"{loop['over']} of {loop['steps']} steps (worst {loop['worst_ms']:.1f} ms): "
             + "; ".join(f"{k}: {v['count']}x, worst {v['worst_ms']:.1f} ms ({v['worst_cpu_ms']:.1f} ms on CPU)"
                        for k, v in worst[:5]), fatal)
+
+
+def run_as(uid: int, cwd: Path, fn: Callable[[], object]) -> tuple[str, str]:
+    """Run ``fn`` in a forked child with uid and gid ``uid`` and no supplementary groups, whose
+    cwd is ``cwd`` (entered before the ids change: the 0700 pytest tmp directories above it need
+    not be traversable). Returns ``("ok", repr(result))``, ``("OSError", errno name)`` or
+    ``(exception class name, message)``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.chdir(cwd)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                out = ("ok", repr(fn()))
+            except OSError as e:
+                out = ("OSError", errno.errorcode.get(e.errno or 0, str(e.errno)))
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                out = (type(e).__name__, str(e))
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    kind, value = json.loads(data) if data else ("?", "the child wrote nothing")
+    return kind, value
 
 
 def fail_on_blocked_loop(blocked: Blocked | None) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.conftest import run_as
 from tierfs.access import Caller
 from tierfs.fs import control
 from tierfs.fs.api import FuseError
@@ -199,30 +200,10 @@ async def test_a_killed_clients_bytes_come_back_before_anyone_is_refused(monkeyp
 
 # -- through a read-only mount ---------------------------------------------------------------------
 def _as(uid: int, cwd: Path, fn) -> str:  # type: ignore[no-untyped-def]
-    """Run ``fn`` in a child with uid/gid ``uid`` whose cwd is ``cwd`` (the 0700 pytest tmp
-    directories above it need not be traversable); its result (or the exception's name and
-    message) as a string."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(r)
-            os.chdir(cwd)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                out = repr(fn())
-            except Exception as e:  # noqa: BLE001 - reported to the parent
-                out = f"{type(e).__name__}: {e}"
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
+    """``fn``'s result as uid ``uid`` in ``cwd`` (:func:`tests.conftest.run_as`): its repr, or
+    the exception's name and message."""
+    kind, value = run_as(uid, cwd, fn)
+    return value if kind == "ok" else f"{kind}: {value}"
 
 
 @pytest.mark.native_only

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, module_mount, needs_fuse, tierfs_cmd
+from tests.conftest import Mount, module_mount, needs_fuse, run_as, tierfs_cmd
 
 pytestmark = [needs_fuse, pytest.mark.fuse]
 KiB = 1 << 10
@@ -705,29 +705,10 @@ def test_locks(compare) -> None:  # type: ignore[no-untyped-def]
 
 # -- permissions (default_permissions) ------------------------------------------------------------
 def _as_nobody(cwd: Path, fn: Callable[[], object]) -> str:
-    """Run ``fn`` in a child with uid/gid 65534 whose cwd is ``cwd`` (so the 0700 pytest tmp dirs
-    above need not be traversable); returns 'ok:<repr>' or the errno name."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        try:
-            os.chdir(cwd)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                out = f"ok:{fn()!r}"
-            except OSError as e:
-                out = errno.errorcode.get(e.errno or 0, str(e.errno))
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    os.waitpid(pid, 0)
-    return out
+    """Run ``fn`` as uid/gid 65534 in ``cwd`` (:func:`tests.conftest.run_as`); returns
+    'ok:<repr>' or the errno name."""
+    kind, value = run_as(NOBODY, cwd, fn)
+    return f"ok:{value}" if kind == "ok" else value
 
 
 def _perm_tree(root: Path) -> None:
