@@ -270,8 +270,8 @@ def _unreachable(mountpoint: str, e: OSError, op: str) -> MountError:
         return MountError(f"{mountpoint} is a read-only tierfs mount (ro) on the pyfuse3 transport: it "
                           f"takes no {op} request (where, evict, flush and hints need a read-write "
                           "mount, or the native transport)")
-    if e.errno in (errno.EMFILE, errno.ENOENT) and (e.strerror or "").startswith("tierfs mount"):
-        return MountError(e.strerror or str(e))  # the daemon answered (tierfs_hints.wire): alive
+    if isinstance(e, wire.DaemonBusy):  # the daemon answered: alive
+        return MountError(e.strerror or str(e))
     return MountError(f"{mountpoint} is not a live tierfs mount ({e.strerror})")
 
 

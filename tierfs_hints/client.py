@@ -617,9 +617,7 @@ class Client:
                 raise TimeoutError(f"tierfs mount {root}: the {op} request timed out") from e
             raise ValueError(f"tierfs mount {root} refused the {op} hint: {e}") from e
         except OSError as e:
-            if e.errno in (errno.EMFILE, errno.ENOENT) and (e.strerror or "").startswith("tierfs mount"):
-                # the daemon answered (wire: too many of this user's requests in flight, or one
-                # let go): the mount is alive
+            if isinstance(e, wire.DaemonBusy):  # the daemon answered: the mount is alive
                 raise OSError(e.errno, f"the {op} hint: {e.strerror}") from e
             self.finder.forget(root)
             raise OSError(e.errno, f"tierfs mount {root} did not answer the {op} hint "

@@ -100,6 +100,19 @@ CTL_IOC_OUT = struct.Struct("<QI")  # the reply's whole length, payload length
 CTL_OP_WRITE, CTL_OP_READ, CTL_OP_CLOSE = 1, 2, 3
 
 
+class DaemonBusy(OSError):
+    """A live daemon could not take a request now (EMFILE: this user's requests in flight are
+    at its cap; ENOENT: it let the request go before it was finished): not a dead mount."""
+
+
+def _ioc_buffer(op: int, token: bytes, offset: int = 0, payload: bytes = b"") -> bytearray:
+    """One CTL_IOC buffer: CTL_IOC_IN, then ``payload``."""
+    buf = bytearray(CTL_IOC_SIZE)
+    CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, op, token, offset, len(payload))
+    buf[CTL_IOC_IN.size:CTL_IOC_IN.size + len(payload)] = payload
+    return buf
+
+
 class ControlError(Exception):
     """The daemon refused a request; ``kind`` is "value" (bad input, over a cap), "perm" (the
     caller may not), "timeout" or "os"."""
@@ -163,9 +176,7 @@ def takes_requests(mountpoint: str) -> bool:
         return True
     fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDONLY)
     try:
-        buf = bytearray(CTL_IOC_SIZE)
-        CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, CTL_OP_CLOSE, os.urandom(16), 0, 0)
-        fcntl.ioctl(fd, CTL_IOC, buf, True)
+        fcntl.ioctl(fd, CTL_IOC, _ioc_buffer(CTL_OP_CLOSE, os.urandom(16)), True)
         return True
     except OSError:
         return False
@@ -189,9 +200,7 @@ def _request_ioctl(mountpoint: str, data: bytes) -> bytes:
     fd = os.open(control_path(mountpoint, CTL_FILE), os.O_RDONLY)
 
     def call(op: int, offset: int = 0, payload: bytes = b"") -> tuple[int, bytes]:
-        buf = bytearray(CTL_IOC_SIZE)
-        CTL_IOC_IN.pack_into(buf, 0, CTL_IOC_MAGIC, op, token, offset, len(payload))
-        buf[CTL_IOC_IN.size:CTL_IOC_IN.size + len(payload)] = payload
+        buf = _ioc_buffer(op, token, offset, payload)
         backoff = 0.01
         while True:
             try:
@@ -211,11 +220,11 @@ def _request_ioctl(mountpoint: str, data: bytes) -> bytes:
                     backoff *= 2
                     continue
                 if e.errno == errno.EMFILE:
-                    raise OSError(errno.EMFILE, f"tierfs mount {mountpoint}: this user has too many "
-                                                "control requests in flight; retry later") from e
+                    raise DaemonBusy(errno.EMFILE, f"tierfs mount {mountpoint}: this user has too many "
+                                                   "control requests in flight; retry later") from e
                 if e.errno == errno.ENOENT:
-                    raise OSError(errno.ENOENT, f"tierfs mount {mountpoint} let this request go "
-                                                "before it was finished (unused too long)") from e
+                    raise DaemonBusy(errno.ENOENT, f"tierfs mount {mountpoint} let this request go "
+                                                   "before it was finished (unused too long)") from e
                 raise
         total, n = CTL_IOC_OUT.unpack_from(buf, 0)
         if n > CTL_IOC_SIZE - CTL_IOC_OUT.size:

@@ -672,8 +672,9 @@ class NativeSession:
             return None
         if op == c.IOCTL and not (self.read_only and req.args["cmd"] == wire.CTL_IOC):
             # No file of tierfs has ioctls but the control file's on a read-only mount
-            # (wire.CTL_IOC: its requests, which it cannot take as writes there). The kernel sends every ioctl of a file to the
-            # daemon, and Python's built-in open() (with its default buffering) asks isatty(),
+            # (wire.CTL_IOC: its requests, which it cannot take as writes there). The kernel
+            # sends every ioctl of a file to the daemon, and Python's built-in open() (with its
+            # default buffering) asks isatty(),
             # a TCGETS ioctl: one request per file a Dataset opens that way (PIL's loaders do).
             # Answered here, as the kernel would answer ENOSYS, with no handler task.
             self.ioctls += 1
