@@ -105,7 +105,8 @@ def mounted(kind: str, back: Path, tierfs_args: list[str]) -> Iterator[Path]:
         yield mnt
     finally:
         if kind == "tierfs" and is_mounted(mnt):
-            subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
+            # --flush: nothing the run wrote is left in a RAM tier under /dev/shm
+            subprocess.run([sys.executable, "-m", "tierfs", "umount", "--flush", str(mnt)], cwd=REPO,
                            capture_output=True, timeout=600)
         unmount(mnt)
         try:

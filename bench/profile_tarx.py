@@ -105,11 +105,13 @@ def per_request(before: dict, after: dict, files: int) -> dict[str, dict[str, fl
 
 
 def stop(proc: subprocess.Popen | None, mnt: Path, work: Path) -> None:  # type: ignore[type-arg]
-    """Unmount ``mnt`` and wait for the daemon ``proc`` (killed after 2 min); remove ``work``
-    and the mountpoint."""
+    """Unmount ``mnt`` once its dirty files are written back and wait for the daemon ``proc``
+    (killed after 2 min); remove ``work`` and the mountpoint."""
     if proc is not None:
         if is_mounted(mnt):
-            subprocess.run([sys.executable, "-m", "tierfs", "umount", str(mnt)], cwd=REPO,
+            # --flush: what the run wrote goes back first; else its dirty files stay in the RAM
+            # tier (under /dev/shm) for a next mount of a backing directory removed below
+            subprocess.run([sys.executable, "-m", "tierfs", "umount", "--flush", str(mnt)], cwd=REPO,
                            capture_output=True, timeout=600)
         try:
             proc.wait(timeout=120)

@@ -28,6 +28,7 @@ from tierfs.cache.tier import Tier
 from tierfs.io import Device
 from tierfs.sched.scheduler import TransactionScheduler
 from tierfs.writeback import manager as wbm
+from tierfs.writeback.backing_ops import data_segments
 from tierfs.writeback.journal import Journal
 from tierfs.writeback.manager import WriteBack
 
@@ -671,3 +672,82 @@ async def test_rename_of_committed_written_through_file_moves_its_backing_file(t
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "b") == bytes(data)
     assert backing_bytes(disks, "a") is None
+
+
+async def _kernel_copy_up(wb: WriteBack, disks: Disks, name: str, cached: Callable[[int, int], bool],
+                          piece: int) -> tuple[wbm.DirtyFile, list[tuple[int, int]]]:
+    """:func:`copy_up` with a :class:`~tierfs.writeback.manager.KernelSource`: pieces for
+    which ``cached`` says yes are read through ``read`` (recorded), the rest copied in the
+    kernel."""
+    fd = os.open(disks.back / name, os.O_RDONLY)
+    reads: list[tuple[int, int]] = []
+    try:
+        async def read(off: int, n: int) -> bytes:
+            reads.append((off, n))
+            return os.pread(fd, n, off)
+
+        st = os.fstat(fd)
+        segments = data_segments(fd, st.st_size)
+        df = await wb.copy_up(name.encode(), st, read, None, segments,
+                              wbm.KernelSource(fd, cached, piece, ("test", st.st_dev)))
+        return df, reads
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("tier_kib", [1024, 96])
+async def test_copy_up_copies_what_the_cache_lacks_in_the_kernel(tmp_path: Path, tier_kib: int) -> None:
+    """A copy-up copies the pieces the cache holds none of straight from the backing file
+    (``copied_up_in_kernel``), reads the others through the cache, keeps holes, and writes
+    back the same bytes; also when the write tier is too small for it (96 KiB: it goes
+    write-through midway, and the kernel copies then go to the backing store's temporary
+    file)."""
+    disks = Disks(tmp_path / "d")
+    piece = 16 * KiB
+    data = bytearray(os.urandom(200 * KiB))
+    data[64 * KiB : 128 * KiB] = bytes(64 * KiB)
+    fd = os.open(disks.back / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.pwrite(fd, data[: 64 * KiB], 0)
+    os.pwrite(fd, data[128 * KiB :], 128 * KiB)
+    os.close(fd)
+    cached = {32 * KiB, 160 * KiB}  # the pieces "in the cache"
+    async with instance(disks, tier_bytes=tier_kib * KiB, slice_size=4 * KiB, deadline_s=3600) as wb:
+        df, reads = await _kernel_copy_up(wb, disks, "f", lambda off, n: off in cached, piece)
+        assert sorted(off for off, _ in reads) == sorted(cached)
+        # everything else but the hole, in the kernel
+        assert wb.statistics().copied_up_in_kernel == len(data) - 64 * KiB - len(cached) * piece
+        assert df.through == (tier_kib < 200)
+        wb.opened(df, True)
+        await wb.write(df, 0, b"X")
+        data[0:1] = b"X"
+        await wb.closed(df, True)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "f") == bytes(data)
+    assert os.stat(disks.back / "f").st_blocks * 512 < len(data)  # the hole stayed a hole
+
+
+async def test_kernel_copy_up_into_a_full_tier_goes_write_through(tmp_path: Path) -> None:
+    """The write tier's filesystem fills from outside during a kernel copy-up (ENOSPC from
+    the copy into the data file): the copy goes on written through, complete."""
+    disks = Disks(tmp_path / "d")
+    data = os.urandom(96 * KiB)
+    (disks.back / "f").write_bytes(data)
+    async with instance(disks, slice_size=4 * KiB, deadline_s=3600) as wb:
+        orig_run_io = wb.sched._run_io
+        failed = []
+
+        async def tier_full_once(fn):  # type: ignore[no-untyped-def]
+            if isinstance(fn, partial) and fn.func is wbm._copy_piece and not failed:
+                failed.append(fn.args[1])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return await orig_run_io(fn)  # type: ignore[misc]
+
+        wb.sched._run_io = tier_full_once
+        df, reads = await _kernel_copy_up(wb, disks, "f", lambda off, n: False, 32 * KiB)
+        wb.sched._run_io = orig_run_io
+        assert failed == [0] and not reads
+        assert df.through
+        wb.opened(df, True)
+        await wb.closed(df, True)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "f") == data

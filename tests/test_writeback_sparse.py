@@ -144,3 +144,31 @@ def test_an_unlinked_sparse_file_larger_than_the_write_tier_can_be_written(tierm
         assert os.fstat(fd).st_size == size
     finally:
         os.close(fd)
+
+
+def test_a_copy_up_copies_in_the_kernel_what_no_tier_holds(tiermount, tmp_path: Path) -> None:
+    """The first write to an existing file copies it into the write tier: from the backing
+    file in the kernel where no tier holds its bytes (none of it fills the RAM tier's cache
+    on the way), through the cache where one does (the backing store is not read again)."""
+    back = tmp_path / "back"
+    back.mkdir(exist_ok=True)
+    cold, warm = os.urandom(20 * MiB), os.urandom(12 * MiB)
+    (back / "cold").write_bytes(cold)
+    (back / "warm").write_bytes(warm)
+    m = tiermount(ram="256MiB")
+    tierfs_cmd("warmup", str(m.mnt / "warm"), timeout=60)
+    cached_before = m.tier("ram")["used_bytes"] - m.tier("ram")["dirty_bytes"]
+    assert cached_before >= len(warm)
+    for name in ("cold", "warm"):
+        with open(m.mnt / name, "r+b") as fh:
+            fh.seek(5 * MiB)
+            fh.write(b"hello")
+    wb = m.stats()["writeback"]
+    assert wb["copied_up_in_kernel"] == len(cold), wb
+    assert m.tier("ram")["used_bytes"] - m.tier("ram")["dirty_bytes"] <= cached_before
+    tierfs_cmd("flush", str(m.mnt), timeout=60)
+    for name, data in (("cold", cold), ("warm", warm)):
+        want = data[: 5 * MiB] + b"hello" + data[5 * MiB + 5 :]
+        assert (m.mnt / name).read_bytes() == want
+        assert (back / name).read_bytes() == want
+    assert m.stats()["writeback"]["failures"] == 0

@@ -111,6 +111,8 @@ WRITEBACK: list[Spec] = [
     ("hold_seconds", "writeback_hold_seconds", C, "Seconds write-back waited for bursts of writes to end."),
     ("quarantined", "writeback_quarantined_files", G, "Journal entries crash recovery could not honour (kept)."),
     ("journal_errors", "writeback_journal_errors", C, "Journal writes that failed (disk full)."),
+    ("copied_up_in_kernel", "writeback_copied_up_in_kernel_bytes", C,
+     "Bytes copy-ups copied from the backing store in the kernel."),
     ("passthrough_opens", "writeback_passthrough_opens", C, "Opens of dirty files passed through to their data file."),
     ("passthrough_writable_opens", "writeback_passthrough_writable_opens", C, "Of which open for writing."),
     ("passthrough_refusals", "writeback_passthrough_refusals", C, "Opens of dirty files not passed through."),

@@ -823,6 +823,19 @@ class Cache:
             self.staging_used -= len(staged.data)
 
     # -- hints -------------------------------------------------------------------------------
+    def holds_any(self, f: BackingFile, offset: int, length: int) -> bool:
+        """Whether the cache has any of bytes ``[offset, offset+length)`` of ``f``: a chunk
+        they touch is in a tier, in memory (staged) or being fetched. A copy of the rest may
+        go straight from the backing file (:meth:`tierfs.writeback.manager.WriteBack.copy_in`)."""
+        if length <= 0:
+            return False
+        cs = self.chunk_size
+        for idx in range(offset // cs, (offset + length - 1) // cs + 1):
+            cid = (f.key, idx)
+            if cid in self.catalog.entries or cid in self.staging or self.scheduler.lookup(cid) is not None:
+                return True
+        return False
+
     def is_resident(self, cid: ChunkId) -> bool:
         """In a tier or in staging (a read would not wait for the backing store)."""
         return cid in self.catalog.entries or cid in self.staging

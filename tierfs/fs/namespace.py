@@ -33,6 +33,7 @@ import os
 import stat
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -46,7 +47,7 @@ from tierfs.fs.inodes import CONTROL_DIR, ROOT, InodeEntry, InodeTable
 from tierfs.io import Device, open_backing
 from tierfs.sched.backing import BackingFile, Identity, Openings, key_path
 from tierfs.writeback.backing_ops import data_segments
-from tierfs.writeback.manager import DirtyFile, WriteBack, is_tmp_name
+from tierfs.writeback.manager import DirtyFile, KernelSource, WriteBack, is_tmp_name
 from tierfs_hints import wire
 
 log = logging.getLogger("tierfs.fs")
@@ -767,7 +768,7 @@ class Namespace:
                 # xattrs are read through the open descriptor (/proc/self/fd/N), not a path
                 df = await self.wb.copy_up(
                     path, st, lambda off, n: self.cache.read(bf, off, n, access), proc_path(bf.fd),
-                    segments)
+                    segments, self._kernel_source(bf))
             finally:
                 self.cache.forget_access(access)
                 self.release_backing(bf)
@@ -775,6 +776,12 @@ class Namespace:
             self.wb.set_in_place(df, st)
         self.inodes.attach(entry, df)
         return df
+
+    def _kernel_source(self, bf: BackingFile) -> KernelSource:
+        """What a copy-up of ``bf`` may copy in the kernel: the bytes the cache holds none of,
+        one chunk at a time."""
+        return KernelSource(bf.fd, partial(self.cache.holds_any, bf), self.cache.chunk_size,
+                            ("copy-up", bf.identity.dev))
 
     async def _make_dirty_unlinked(self, entry: InodeEntry, *, truncate: bool) -> DirtyFile:
         """The first write (or truncate) through a descriptor of a clean file whose name was
@@ -806,7 +813,7 @@ class Namespace:
                 try:
                     segments = await self.meta.run(data_segments, src.fd, st.st_size)
                     df = await self.wb.copy_up(None, st, lambda off, n: self.cache.read(src, off, n, access),
-                                               proc_path(src.fd), segments)
+                                               proc_path(src.fd), segments, self._kernel_source(src))
                 finally:
                     self.cache.forget_access(access)
         finally:

@@ -251,6 +251,32 @@ class _Gate:
         self.wb._leave(self.df)
 
 
+def _copy_piece(src: int, offset: int, length: int, route: object, dst: int) -> int:
+    """Copy ``[offset, offset+length)`` of ``src`` to the same offsets of ``dst`` in the
+    kernel; the bytes copied. Blocking (a device thread)."""
+    if length > 1 << 20:
+        # the kernel copy reads the source one readahead window (128 KiB) after the other:
+        # announced, the whole piece is queued at the device at once (as Cache._transfer does)
+        os.posix_fadvise(src, offset, length, os.POSIX_FADV_WILLNEED)
+    return copy_range(src, dst, length, offset, offset, route=route)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """The backing file a copy-up may copy from in the kernel (:meth:`WriteBack.copy_up`).
+
+    ``fd``: its open descriptor (held open by the caller across the copy). ``cached(offset,
+    n)``: whether the cache holds any of those bytes (a tier, memory, a fetch in flight):
+    those pieces are read through the cache instead, never from the backing store again.
+    ``piece``: bytes per transfer (the cache's chunk size: a piece is one chunk). ``route``:
+    the pair of filesystems, for :func:`tierfs.io.copy_range`."""
+
+    fd: int
+    cached: Callable[[int, int], bool]
+    piece: int = COPY_UP_PIECE
+    route: object = None
+
+
 def _pins_df(fn):  # type: ignore[no-untyped-def]
     """Decorator: the DirtyFile argument stays pinned (its fd open) while ``fn`` runs. Without
     it a write-back finishing meanwhile closed the fd under a setxattr (EBADF), or a discard
@@ -351,6 +377,7 @@ class WriteBackStats:
     quarantined: int = 0  # journal rows recovery could not honour (kept, see `tierfs doctor`)
     quarantined_paths: tuple[str, ...] = ()  # their paths (the first QUARANTINE_LISTED)
     journal_errors: int = 0  # journal writes that failed (disk full): the file stayed as it was
+    copied_up_in_kernel: int = 0  # bytes copy-ups copied from the backing store in the kernel
     # Passthrough of data files (WriteBack.lease_data). Writes through such leases never reach
     # the daemon: they are not in fuse.write_requests.
     passthrough_opens: int = 0  # data-file leases handed out (read-only and writable)
@@ -507,6 +534,7 @@ class WriteBack:
         self.device_bytes = 0
         self.failures = 0
         self.journal_errors = 0
+        self.copied_up_in_kernel = 0  # bytes copy-ups copied from the backing store in the kernel (copy_in)
         self.quarantined: list[str] = []  # paths of rows recovery quarantined (all mounts so far)
         self._backing_free = 0
         self._backing_free_at = -math.inf
@@ -675,14 +703,17 @@ class WriteBack:
             raise DirtyLimit(f"uid {uid} holds {self._user_files[uid]} dirty files, the most one user may")
 
     async def copy_up(self, path: bytes | None, st: os.stat_result, read: Callable[[int, int], object],
-                      xattr_src: bytes | None, segments: list[tuple[int, int]] | None = None) -> DirtyFile:
+                      xattr_src: bytes | None, segments: list[tuple[int, int]] | None = None,
+                      kernel: KernelSource | None = None) -> DirtyFile:
         """A dirty copy of an existing backing file, read through ``await read(offset, n)``
         (``path`` None: an anonymous copy, see :meth:`create`). ``segments``: its data
         segments (:func:`~tierfs.writeback.backing_ops.data_segments`), the only bytes copied:
         its holes stay holes in the copy, costing no room in the write tier (None: copied
-        whole)."""
+        whole). ``kernel``: the backing file itself, from which the pieces the cache holds
+        none of are copied in the kernel (:meth:`copy_in`) instead of through ``read``."""
         df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns),
                                journal=False)
+        piece = kernel.piece if kernel is not None else COPY_UP_PIECE
         # Until the copy is complete it counts as a writer: the write-back worker must not
         # commit a partial copy over the good backing file.
         df.writers += 1
@@ -696,10 +727,20 @@ class WriteBack:
                         # a piece of at most one chunk, chunk-aligned: the cache returns its
                         # bytes without joining pieces, and each piece's copies stay short on
                         # the event loop (32 MiB slices, read, sliced and joined there, held it
-                        # 140 ms on CPU in one step of a loaded test run)
-                        n = min(COPY_UP_PIECE - off % COPY_UP_PIECE, end - off)
-                        data = await read(off, n)  # type: ignore[misc]
-                        await self.write(df, off, data, touch_mtime=False)
+                        # 140 ms on CPU in one step of a loaded test run); a kernel copy is one
+                        # bounded transfer, so a demand read waits at most one piece for it
+                        n = min(piece - off % piece, end - off)
+                        if kernel is not None and not kernel.cached(off, n):
+                            # not cached anywhere: straight from the backing file. Through the
+                            # cache it went backing -> RAM tier -> Python -> write tier, and
+                            # filled the RAM tier with bytes now in the write tier
+                            got = await self.copy_in(df, off, kernel.fd, n, kernel.route)
+                            self.copied_up_in_kernel += got
+                            if got < n:
+                                break  # the source ended early (changed meanwhile): as a read would
+                        else:
+                            data = await read(off, n)  # type: ignore[misc]
+                            await self.write(df, off, data, touch_mtime=False)
                         off += n
                 if df.size < st.st_size:  # a hole at the end (an extension costs no room)
                     await self.truncate(df, st.st_size)
@@ -829,24 +870,54 @@ class WriteBack:
     @_pins_df
     async def write(self, df: DirtyFile, offset: int, data: bytes, touch_mtime: bool = True) -> int:
         """Write at ``offset``. Raises OSError(ENOSPC) only if the backing store is full."""
-        end = offset + len(data)
+        await self._store(df, offset, len(data), lambda fd: pwrite_all(fd, data, offset), in_loop_device=True)
+        return len(data)
+
+    @_pins_df
+    async def copy_in(self, df: DirtyFile, offset: int, src_fd: int, length: int, route: object = None) -> int:
+        """Copy ``length`` bytes at ``offset`` of backing file ``src_fd`` to the same offset of
+        ``df``, in the kernel (:func:`tierfs.io.copy_range`: the bytes never reach Python), as
+        one transfer the scheduler orders with every other backing-store access (it reads the
+        backing store). Returns the bytes copied: short only at the end of the source. Raises
+        OSError (ENOSPC only if the backing store is full; EIO of either file). ``route``: the
+        pair of filesystems, for :func:`copy_range`'s memory of refused methods."""
+        return await self._store(df, offset, length, partial(_copy_piece, src_fd, offset, length, route),
+                                 in_loop_device=False)
+
+    async def _store(self, df: DirtyFile, offset: int, length: int, put: Callable[[int], int | None], *,
+                     in_loop_device: bool) -> int:
+        """Put ``length`` bytes at ``offset`` of ``df`` with blocking ``put(fd)``: in the
+        write tier (``in_loop_device``: in the write tier's device thread, else as a scheduled
+        backing-store transfer, for a put that reads the backing store), or, for a file written
+        through (or once the tier's filesystem fills from outside), on the backing store.
+        ``put`` returns the bytes it put (None: all ``length``; fewer: a copy that found the
+        end of its source). Returns that count."""
+        end = offset + length
         # what it may allocate: the blocks it touches (a write into a hole of a sparse file
         # allocates as much as one past the end)
-        span = blocks(end) - (offset - offset % 4096) if data else 0
+        span = blocks(end) - (offset - offset % 4096) if length else 0
         before = df.accounted
         await self._enter_sized(df, max(end, df.size), span)
         recount = df.accounted > before and offset < df.size
         entered = True
+
+        async def through() -> int | None:
+            return await self.sched.io(partial(put, df.fd), Klass.DEMAND, nbytes=length,  # type: ignore[return-value]
+                                       what=_name(df))
+
         try:
             df.touch()
             if df.through:
-                await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
-                                      what=_name(df))
+                stored = await through()
             else:
                 try:
-                    await self.data_device.run(pwrite_all, df.fd, data, offset)
-                except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT) or df.leases:
+                    if in_loop_device:
+                        stored = await self.data_device.run(put, df.fd)
+                    else:
+                        stored = await self.sched.io(partial(put, df.fd), Klass.DEMAND,  # type: ignore[assignment]
+                                                     nbytes=length, written=False, what=_name(df))
+                except (OSError, BackingIOError) as e:
+                    if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) or df.leases:
                         raise  # (leased: the data file cannot move; its writers see ENOSPC too)
                     # The tier's filesystem filled from outside: write through instead.
                     self._leave(df)
@@ -855,8 +926,9 @@ class WriteBack:
                     await self._enter(df)
                     entered = True
                     df.touch()
-                    await self.sched.io(partial(pwrite_all, df.fd, data, offset), Klass.DEMAND, nbytes=len(data),
-                                      what=_name(df))
+                    stored = await through()
+            if stored is not None:
+                end = offset + stored
             if end > df.size:
                 df.size = end
             if recount and not df.through:
@@ -866,7 +938,7 @@ class WriteBack:
         finally:
             if entered:
                 self._leave(df)
-        return len(data)
+        return end - offset
 
     @_pins_df
     async def read(self, df: DirtyFile, offset: int, size: int) -> bytes:
@@ -1691,6 +1763,7 @@ class WriteBack:
             quarantined=len(self.quarantined),
             quarantined_paths=tuple(self.quarantined[:QUARANTINE_LISTED]),
             journal_errors=self.journal_errors,
+            copied_up_in_kernel=self.copied_up_in_kernel,
             passthrough_opens=self.passthrough_opens,
             passthrough_writable_opens=self.passthrough_writable_opens,
             passthrough_refusals=self.passthrough_refusals,
