@@ -547,6 +547,40 @@ def test_umount_flush_waits(tiermount) -> None:
         assert sha_file(m.mnt / rel) == sha
 
 
+@pytest.mark.parametrize("how", ["tierfs umount", "umount(8)"])
+def test_an_unmount_writes_a_ram_write_tier_back_before_the_daemon_exits(tiermount, how: str) -> None:
+    """A RAM write tier is lost at the next reboot: an unmount without ``--flush`` (``tierfs
+    umount``, or the system's ``umount``) writes every dirty file back before the daemon exits,
+    then frees the tier. (They stayed in /dev/shm, journaled for a next mount that a reboot
+    never gives.) An SSD write tier keeps them for the next mount, as before
+    (test_umount_does_not_wait_for_writeback)."""
+    from tierfs.cli import _alive
+    from tierfs.mount import ram_tier_path
+
+    # a burst of closes (16 files or more) is held back from write-back (writeback_hold)
+    m = tiermount(ram="256MiB", extra=("-o", "writeback_deadline=3600", "-o", "writeback_hold=600",
+                                       *DAEMON_WRITES))
+    want = {f"f{i}": write_closed(m.mnt / f"f{i}", rand_bytes(400 + i, 2 * MiB)) for i in range(24)}
+    assert m.stats()["writeback"]["dirty_files"] >= 8
+    ram = Path(ram_tier_path("/dev/shm", str(m.mnt)))
+    assert (ram / "dirty").is_dir()
+    pid = m.pid
+    if how == "umount(8)":
+        subprocess.run(["umount", str(m.mnt)], check=True, timeout=60)
+    else:
+        r = tierfs_cmd("umount", str(m.mnt))
+        assert "back from its RAM tier before it exits" in r.stdout + r.stderr
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    for rel, sha in want.items():
+        assert sha_or_none(m.backing / rel) == sha, rel
+    assert tmp_names_under(m.backing) == []
+    assert not ram.exists(), "the RAM tier was left in /dev/shm"
+    m.pid = 0
+
+
 # -- a dead daemon -------------------------------------------------------------------------------
 def test_dead_daemon_never_leaves_enotconn(tiermount) -> None:
     """After ``kill -9`` (with dirty data and a write-back running), ``tierfs mount`` on the same

@@ -69,3 +69,39 @@ def test_signal_after_a_lazy_unmount_keeps_serving_the_open_files(tiermount, tmp
         os.close(fd)
     _wait_for(lambda: not _alive(pid), "the daemon to exit after the last close")
     m.pid = 0
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["signal", "write-back fails"])
+async def test_the_write_back_before_exit_ends_at_a_signal_or_a_failure(caplog, fails: bool) -> None:
+    """After an unmount, a daemon whose write tier is the RAM tier writes its dirty files back
+    before exiting (test_crash.py). A second SIGTERM stops that wait, and so does a write-back
+    that fails; either way the log says what stays in memory, and the daemon goes on to exit."""
+    import logging
+    from types import SimpleNamespace
+
+    import trio
+    import trio.testing
+
+    from tierfs.errors import BackingIOError
+    from tierfs.mount import write_back_before_exit
+
+    class Stuck:
+        def statistics(self) -> SimpleNamespace:
+            return SimpleNamespace(dirty_files=3, dirty_bytes=5 << 20)
+
+        async def wait_durable(self, files: object, timeout: float) -> list[str]:  # noqa: ASYNC109
+            if fails:
+                raise BackingIOError("f", OSError(28, "No space left on device"))
+            await trio.sleep_forever()
+            return []
+
+    caplog.set_level(logging.INFO, logger="tierfs")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_back_before_exit, Stuck())
+            await trio.testing.wait_all_tasks_blocked()
+            if not fails:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert "writing back 3 dirty files" in caplog.text
+    assert ("No space left" if fails else "signal SIGTERM: stopped writing back") in caplog.text
+    assert "3 dirty files (5.0 MiB) were not written back" in caplog.text

@@ -118,7 +118,7 @@ def _note_unheld_ram_tiers(ram_dir: str) -> None:
         return
     if left:
         print(f"tierfs: note: {len(left)} RAM tier(s) under {os.path.dirname(left[0])} are held by no "
-              "daemon (left by a crash or an unmount without --flush; they keep memory, maybe files "
+              "daemon (left by a crash, or a write-back that failed at unmount; they keep memory, maybe files "
               "not yet written back): `tierfs doctor` says what each keeps and what to do")
 
 
@@ -237,8 +237,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
         # (files a crash left were written back at the mount already: nothing to wait for here)
         print(f"tierfs: waited for {n} file(s) to be written back" if n
               else "tierfs: every file was on the backing store already")
+    pending = 0 if args.flush else _ram_dirty_files(mnt)
     if not mount_mod.unmount(mnt, lazy=args.lazy):
         raise MountError(f"{mnt} is busy (files open?); close them or use --lazy")
+    if pending and not args.lazy:
+        # a RAM write tier does not survive a reboot: the daemon writes them back before it exits
+        print(f"tierfs: unmounted; daemon {pid} writes {pending} file(s) back from its RAM tier before it exits")
     if args.lazy:
         # detached now; the daemon serves the files still open and exits when they close
         print(f"tierfs: detached {mnt}; daemon {pid} exits when the last open file is closed")
@@ -248,8 +252,19 @@ def cmd_umount(args: argparse.Namespace) -> int:
         if not _alive(pid):
             return 0
         time.sleep(0.05)
-    print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
+    print(f"tierfs: unmounted, but daemon {pid} is still finishing" +
+          (" its write-back (its log says when it is done)" if pending else ""), file=sys.stderr)
     return 0
+
+
+def _ram_dirty_files(mnt: str) -> int:
+    """Dirty files the daemon of ``mnt`` holds in a RAM write tier (0 for an SSD write tier, or
+    when its stats cannot be read)."""
+    try:
+        wb = json.loads(_read_control(mnt, wire.STATS_FILE))["writeback"]
+    except (MountError, ValueError, KeyError, TypeError):
+        return 0
+    return int(wb.get("dirty_files", 0)) if wb.get("write_tier") == "ram" else 0
 
 
 def _wait_written_back(mnt: str) -> int:

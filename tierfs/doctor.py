@@ -471,7 +471,7 @@ def default_ram_dirs() -> list[str]:
 
 def check_ram_tiers(ram_dirs: list[str], free: bool = False) -> list[Finding]:
     """Every RAM tier directory under ``<ram_dir>/tierfs``: held by a live daemon (ok), or left
-    by one that died or was unmounted without ``--flush``, with what it keeps (a problem: RAM
+    by one that died (or whose write-back at unmount failed), with what it keeps (a problem: RAM
     it holds for nothing, or files a reboot loses). ``free``: remove what no daemon holds and
     nothing needs (cached data; a tier with no file to write back), never a file not yet
     written back."""

@@ -119,6 +119,42 @@ def ram_tier_path(ram_dir: str, mountpoint: str) -> str:
     return os.path.join(ram_dir, RAM_PARENT, mount_id(mountpoint))
 
 
+async def write_back_before_exit(writeback: WriteBack) -> None:
+    """After a clean unmount (``umount``, ``tierfs umount``, a signal) of a mount whose write
+    tier is the RAM tier: write every dirty file back before the daemon exits. A RAM tier is
+    gone at the next reboot, and a user who unmounted expects the data on the backing store,
+    as after the unmount of a local filesystem (its journal there only helps a daemon that is
+    restarted before the machine is). A write-back that fails (the backing store full or
+    gone), or a second SIGTERM/SIGINT meanwhile, ends the wait: the files not written back
+    stay journaled in the RAM tier, for a next mount before a reboot, and the log says so."""
+    st = writeback.statistics()
+    if not st.dirty_files:
+        return
+    log.info("unmounted; writing back %d dirty files (%s) from the RAM tier before exiting (a "
+             "second SIGTERM stops this: they then stay in memory until the next mount or reboot)",
+             st.dirty_files, format_size(st.dirty_bytes))
+    with trio.CancelScope() as scope:
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for sig in sigs:
+                    log.warning("signal %s: stopped writing back", signal.Signals(sig).name)
+                    scope.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signal)
+            try:
+                await writeback.wait_durable(None, math.inf)
+            except (TierfsError, OSError) as e:
+                log.error("write-back before exit: %s", e)
+            nursery.cancel_scope.cancel()
+    left = writeback.statistics()
+    if left.dirty_files:
+        log.error("%d dirty files (%s) were not written back: they stay in the RAM tier, lost at "
+                  "the next reboot unless the backing directory is mounted again before it",
+                  left.dirty_files, format_size(left.dirty_bytes))
+
+
 def remove_ram_tier(path: str, *, keep_dirty: bool) -> None:
     """Free a RAM tier's memory: its cached data, and (unless ``keep_dirty`` and a journal, or
     data files in ``dirty/`` or ``quarantine/``, are there) the whole tier directory, then
@@ -278,7 +314,7 @@ def _has_entries(path: str) -> bool:
 
 def unheld_ram_tiers(ram_dir: str) -> list[str]:
     """The RAM tier directories under ``<ram_dir>/tierfs`` that no daemon holds: left by a
-    daemon that died, or unmounted without ``--flush`` with files still to write back. They
+    daemon that died, or whose write-back at unmount failed, with files still to write back. They
     keep memory, and maybe files a reboot loses, until their mountpoint is mounted again
     (``tierfs doctor`` says what each keeps). Raises OSError (the directory cannot be listed;
     ENOENT: no RAM tier at all)."""
@@ -697,6 +733,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
             async def fuse_main() -> None:
                 await session.main()
+                if wt_name == "ram":
+                    await write_back_before_exit(writeback)
                 nursery.cancel_scope.cancel()
 
             async def on_signal() -> None:
@@ -742,8 +780,8 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             except OSError:
                 left = []
             if left:
-                log.warning("%d RAM tier(s) under %s are held by no daemon (left by a crash or an "
-                            "unmount without --flush): `tierfs doctor` says what each keeps", len(left),
+                log.warning("%d RAM tier(s) under %s are held by no daemon (left by a crash, or by a "
+                            "write-back that failed at unmount): `tierfs doctor` says what each keeps", len(left),
                             os.path.dirname(left[0]))
             ready(None)
         unmounted_cleanly = True
