@@ -418,6 +418,21 @@ class Handlers:
                 await self._send_invals()
             return a
 
+    def getattr_now(self, inode: int) -> Attr | None:
+        """:meth:`getattr` with no await, or None (then call :meth:`getattr`): the attributes
+        of a clean file that a reader's open fstat-ed moments ago
+        (:meth:`~tierfs.fs.namespace.Namespace.opened_stat`), the GETATTR of the fstat that
+        follows a program's open. The transport answers it as it reads the request, with no
+        task: a small-file epoch sends one per file."""
+        entry = self.inodes.by_inode.get(inode)
+        if entry is None or entry.dirty is not None or self._pending_invals or self._is_control(inode):
+            return None
+        st = self.ns.opened_stat(entry)
+        if st is None:
+            return None
+        self.requests["getattr"] += 1
+        return self.ns.clean_attrs(entry, st)
+
     async def readlink(self, inode: int, ctx: RequestCtx | None = None) -> bytes:
         with self._op("readlink"):
             entry = self.inodes.get(inode)
@@ -1387,13 +1402,33 @@ class Handlers:
                 if h.lease is not None:
                     with logged_errors("release: taking in passthrough writes"):
                         await self._after_passthrough(h)
-                    lease, h.lease = h.lease, None
-                    lease.release()  # before closed(): write-back may start at once
-                if h.inode in self._suid_watch and not self._passthrough_writers(h.inode):
-                    del self._suid_watch[h.inode]
-                self.readahead.forget(h.readahead)
-                self.cache.forget_access(h.access)
-                if h.file is not None:
-                    self.ns.release_backing(h.file)
+                self._let_go(h)  # the lease before closed(): write-back may start at once
                 if h.dirty is not None:
                     await self.wb.closed(h.dirty, h.writer)
+
+    def release_now(self, fh: int) -> bool:
+        """The release of handle ``fh`` done now, with no await, when it needs none: a file
+        handle with no dirty copy and no writable lease (every open of a clean file for
+        reading). False (nothing done): call :meth:`release`. A transport answers it as it
+        reads it, with no task: a small-file epoch releases every file it reads."""
+        h = self.handles.handles.get(fh)
+        if not isinstance(h, FileHandle) or h.dirty is not None or (h.lease is not None and h.lease.writable):
+            return False
+        self.requests["release"] += 1
+        with logged_errors("release"):
+            self.handles.pop(fh)
+            self._let_go(h)
+        return True
+
+    def _let_go(self, h: FileHandle) -> None:
+        """What the release of file handle ``h`` gives back without waiting: its lease, its
+        readahead and cache access state, its backing file."""
+        if h.lease is not None:
+            lease, h.lease = h.lease, None
+            lease.release()
+        if h.inode in self._suid_watch and not self._passthrough_writers(h.inode):
+            del self._suid_watch[h.inode]
+        self.readahead.forget(h.readahead)
+        self.cache.forget_access(h.access)
+        if h.file is not None:
+            self.ns.release_backing(h.file)

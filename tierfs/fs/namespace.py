@@ -276,6 +276,26 @@ class Namespace:
         if self._opened:
             self._opened.clear()
 
+    def opened_stat(self, entry: InodeEntry) -> os.stat_result | None:
+        """The ``fstat`` a reader's open of ``entry`` took of its backing file moments ago
+        (within ``LOOKED_UP_S``), given once, or None.
+
+        A program's open(2) is followed at once by an fstat (Python's open() does one, as does
+        stdio's buffering), and the kernel sends that fstat as a GETATTR whenever a read passed
+        through to the tier file marked the atime stale (every file of an epoch after the
+        first: fs/fuse/passthrough.c invalidates atime on each read). The open fstat-ed the
+        backing file microseconds ago: as fresh as an lstat now, at no metadata call (a third
+        of that GETATTR's time in the daemon)."""
+        path = entry.path
+        if path is None or not self._opened:
+            return None
+        seen = self._opened.pop(path, None)
+        if (seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S
+                and (seen[1].st_dev, seen[1].st_ino) == entry.dev_ino):
+            self.opened_stats += 1
+            return seen[1]
+        return None
+
     async def lstat(self, entry: InodeEntry) -> os.stat_result:
         if entry.path is None:  # unlinked but open: its descriptor knows
             fd = self.held_fd(entry)
@@ -293,17 +313,9 @@ class Namespace:
                 self.dir_stats += 1
                 return seen_dir[2]
         if self._opened:
-            # A program's open(2) is followed at once by an fstat (Python's open() does one,
-            # as does stdio's buffering), and the kernel sends that fstat as a GETATTR whenever
-            # a read passed through to the tier file marked the atime stale (every file of an
-            # epoch after the first: fs/fuse/passthrough.c invalidates atime on each read).
-            # The open fstat-ed the backing file microseconds ago: as fresh as an lstat now,
-            # at no metadata call (a third of that GETATTR's time in the daemon).
-            seen = self._opened.pop(entry.path, None)
-            if (seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S
-                    and (seen[1].st_dev, seen[1].st_ino) == entry.dev_ino):
-                self.opened_stats += 1
-                return seen[1]
+            st = self.opened_stat(entry)
+            if st is not None:
+                return st
         try:
             st = await self.meta.run(lstat_or_none, self.tree, entry.path)
         except OSError as e:

@@ -384,6 +384,8 @@ class NativeSession:
         self.refused_read_only = 0  # changes answered EROFS (a read-only mount)
         self.reads_now = 0  # READs answered as read, with no task (Handlers.read_inode_now)
         self.getxattrs_now = 0  # GETXATTRs likewise (Handlers.getxattr_now)
+        self.releases_now = 0  # RELEASEs likewise (Handlers.release_now)
+        self.getattrs_now = 0  # GETATTRs likewise (Handlers.getattr_now)
 
     @property
     def passthrough(self) -> bool:
@@ -572,7 +574,11 @@ class NativeSession:
                 if raw is None:  # (the turn is released on the way out: no new worker)
                     nursery.cancel_scope.cancel()  # unmounted: nobody waits for the answers
                     return
-                job = self._dispatch(raw)
+                try:
+                    job = self._dispatch(raw)
+                except Exception as e:  # noqa: BLE001 - a bug answering at once: EIO, never the session
+                    job = None
+                    self._dispatch_failed(raw, e)
                 if job is not None:
                     # the loop watch names it: by the task's name while the handler waits, by
                     # ``request`` when the step that ran it ends in this loop (it did not wait)
@@ -592,6 +598,19 @@ class NativeSession:
             if holding:
                 self._release_turn()
             self.workers -= 1
+
+    def _dispatch_failed(self, raw: bytes, e: Exception) -> None:
+        """:meth:`_dispatch` raised (a bug in a request it answers itself, with no task): the
+        request is answered EIO, as a handler's bug is, and the reader goes on."""
+        self.unexpected += 1
+        try:
+            h = c.decode_header(raw)
+        except c.MalformedRequest:
+            return
+        log.error("native transport: %s: unexpected %s: %s; answering EIO", c.OPCODE_NAMES.get(h.opcode, h.opcode),
+                  type(e).__name__, e, exc_info=True)
+        if h.opcode not in NO_REPLY:
+            self._send(c.error_reply(h.unique, errno.EIO))
 
     def _release_turn(self) -> None:
         self._reading = False
@@ -680,6 +699,12 @@ class NativeSession:
             self.ioctls += 1
             self._send(c.error_reply(req.unique, errno.ENOTTY))
             return None
+        if op == c.GETATTR:
+            attrs = self.h.getattr_now(req.nodeid)
+            if attrs is not None:  # from the open's fstat, with no task (Handlers.getattr_now)
+                self.getattrs_now += 1
+                self._send(c.reply(req.unique, c.attr_out(attrs)))
+                return None
         if op == c.GETXATTR:
             err = self.h.getxattr_now(req.nodeid, req.args["name"])
             if err is not None:  # answered with no task (Handlers.getxattr_now)
@@ -694,11 +719,17 @@ class NativeSession:
             return None
         if op == c.WRITE:
             self._write_bytes += len(req.args["data"])
-        elif op == c.RELEASE and self.pt is not None:
-            # Counted down now, in the order the kernel sent the requests, not when the release's
-            # task runs: the kernel forgets an open's mode before it sends RELEASE, and an OPEN
-            # read after it must not find the old open still counted (a writer would be refused).
-            self.pt.released(req.args["fh"])
+        elif op == c.RELEASE:
+            if self.pt is not None:
+                # Counted down now, in the order the kernel sent the requests, not when the
+                # release's task runs: the kernel forgets an open's mode before it sends
+                # RELEASE, and an OPEN read after it must not find the old open still counted
+                # (a writer would be refused).
+                self.pt.released(req.args["fh"])
+            if self.h.release_now(req.args["fh"]):  # a reader's: nothing to wait for, no task
+                self.releases_now += 1
+                self._send(c.reply(req.unique, b""))
+                return None
         # Only a request an interrupt may cancel gets a cancel scope and an entry the INTERRUPT
         # finds (an interrupt of any other one is ignored, as the protocol allows: it runs to
         # completion): the scope and the bookkeeping were ~a third of the loop's own cost per
@@ -962,6 +993,8 @@ class NativeSession:
             "ioctls": self.ioctls, "read_only": self.read_only, "kernel_opens": self.kernel_opens,
             "refused_read_only": self.refused_read_only, "reads_answered_at_once": self.reads_now,
             "getxattrs_answered_at_once": self.getxattrs_now,
+            "releases_answered_at_once": self.releases_now,
+            "getattrs_answered_at_once": self.getattrs_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
