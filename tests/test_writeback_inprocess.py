@@ -751,3 +751,71 @@ async def test_kernel_copy_up_into_a_full_tier_goes_write_through(tmp_path: Path
         await wb.closed(df, True)
         await wb.wait_durable(None, timeout=30)
     assert backing_bytes(disks, "f") == data
+
+
+async def test_a_flush_during_a_copy_up_never_writes_back_the_partial_copy(tmp_path: Path) -> None:
+    """A flush (``wait_durable`` of every file) while a copy-up is half done: the write-back
+    worker takes a file someone waits for even with writers, and it wrote the half copy over
+    the good backing file; cancelled then (the writer interrupted), nothing recovered the
+    rest. Now the flush waits for the copy, the cancel leaves the backing file whole, and a
+    copy that completes is written back whole."""
+    disks = Disks(tmp_path / "d")
+    data = os.urandom(200 * KiB)
+    (disks.back / "f").write_bytes(data)
+    async with instance(disks, slice_size=4 * KiB, deadline_s=3600) as wb:
+        fd = os.open(disks.back / "f", os.O_RDONLY)
+        st = os.fstat(fd)
+        async def copy_up_flushed(finish: bool) -> None:
+            stalled, go, cancel = trio.Event(), trio.Event(), trio.CancelScope()
+
+            async def read(off: int, n: int) -> bytes:
+                if off >= 64 * KiB and not go.is_set():
+                    stalled.set()
+                    await go.wait()  # a slow piece (an HDD, a cache miss)
+                return os.pread(fd, n, off)
+
+            async def copy() -> None:
+                with cancel:
+                    df = await wb.copy_up(b"f", st, read, None, None,
+                                          wbm.KernelSource(fd, lambda o, n: True, 16 * KiB))
+                    wb.opened(df, True)
+                    await wb.closed(df, True)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(copy)
+                await stalled.wait()
+                with trio.move_on_after(1):  # `tierfs flush` meanwhile
+                    await wb.wait_durable(None, timeout=30)
+                assert backing_bytes(disks, "f") == data, "a partial copy was written back"
+                if finish:
+                    go.set()
+                else:
+                    cancel.cancel()  # Ctrl-C on the writer: the copy is abandoned
+            await wb.wait_durable(None, timeout=30)
+            assert backing_bytes(disks, "f") == data
+
+        await copy_up_flushed(False)
+        await copy_up_flushed(True)
+        os.close(fd)
+    assert backing_bytes(disks, "f") == data
+
+
+async def test_a_backing_file_that_shrinks_during_a_kernel_copy_up_fails_the_copy(tmp_path: Path) -> None:
+    """Another writer truncates the backing file while its copy-up copies it in the kernel: the
+    copy fails (EIO, as the cache's read does) and leaves nothing; it used to pad the copy
+    with zeros to the old size and write that back over the other writer's file."""
+    disks = Disks(tmp_path / "d")
+    data = os.urandom(200 * KiB)
+    (disks.back / "f").write_bytes(data)
+    async with instance(disks, slice_size=4 * KiB, deadline_s=3600) as wb:
+        def cached(off: int, n: int) -> bool:
+            if off == 64 * KiB:
+                os.truncate(disks.back / "f", 70 * KiB)
+            return False
+
+        with pytest.raises(wbm.BackingIOError) as e:
+            await _kernel_copy_up(wb, disks, "f", cached, 16 * KiB)
+        assert e.value.errno == errno.EIO
+        assert not wb.files and not tmp_names(disks)
+        await wb.wait_durable(None, timeout=30)
+    assert backing_bytes(disks, "f") == data[: 70 * KiB]

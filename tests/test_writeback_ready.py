@@ -38,6 +38,7 @@ VALUES: dict[str, list[object]] = {
     "durable_gen": [-1, 0, 1, 2],
     "gen": [0, 1, 2, 3],
     "deadline": [0.0, 1.0, 2.0, math.inf],
+    "filling": [0, 1],
     "size": [0, 10],  # not read by the choice: changing it must change nothing
 }
 NOWS = [0.0, 0.5, 1.0, 2.0, 3.0, 6.0]
@@ -105,7 +106,7 @@ def test_the_index_chooses_as_the_scan_did(ops: list[tuple[str, int, object, int
 
 # the fields scan() reads
 SCANNED = ("state", "path", "retry_at", "inflight", "excl", "writers", "waiters", "durable_gen", "gen",
-           "deadline")
+           "deadline", "filling")
 
 
 def test_every_field_the_choice_reads_is_varied() -> None:

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import select
 import shutil
@@ -238,6 +239,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         print(f"tierfs: waited for {n} file(s) to be written back" if n
               else "tierfs: every file was on the backing store already")
     pending = 0 if args.flush else _ram_dirty_files(mnt)
+    ram_tier = mount_mod.recorded_ram_tier(mnt) if pending else None
     if not mount_mod.unmount(mnt, lazy=args.lazy):
         raise MountError(f"{mnt} is busy (files open?); close them or use --lazy")
     if pending and not args.lazy:
@@ -247,14 +249,28 @@ def cmd_umount(args: argparse.Namespace) -> int:
         # detached now; the daemon serves the files still open and exits when they close
         print(f"tierfs: detached {mnt}; daemon {pid} exits when the last open file is closed")
         return 0
-    deadline = time.monotonic() + args.timeout
+    # a RAM tier's write-back: waited for to its end (as umount(8) of a local filesystem waits
+    # for its dirty pages), else the next mount of this mountpoint finds the tier still held
+    deadline = time.monotonic() + (math.inf if pending else args.timeout)
     while time.monotonic() < deadline:
         if not _alive(pid):
+            if ram_tier is not None and _has_entries(os.path.join(ram_tier, "dirty")):
+                # written back, the daemon removes its RAM tier: files were not (its log says why)
+                print(f"tierfs: daemon {pid} exited with files not written back; they stay in {ram_tier} "
+                      "until the next mount of this mountpoint, and are lost at a reboot "
+                      f"(its log: {mount_mod.state_dir_for(mnt)})", file=sys.stderr)
+                return 1
             return 0
         time.sleep(0.05)
-    print(f"tierfs: unmounted, but daemon {pid} is still finishing" +
-          (" its write-back (its log says when it is done)" if pending else ""), file=sys.stderr)
+    print(f"tierfs: unmounted, but daemon {pid} is still finishing", file=sys.stderr)
     return 0
+
+
+def _has_entries(path: str) -> bool:
+    try:
+        return bool(os.listdir(path))
+    except OSError:
+        return False
 
 
 def _ram_dirty_files(mnt: str) -> int:

@@ -792,7 +792,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
             session.close(unmount=True)
         except Exception as e:  # noqa: BLE001 - teardown must go on
             log.warning("closing the FUSE session: %s", e)
-        pending = writeback.statistics().dirty_files
+        wb_stats = writeback.statistics()
+        pending = wb_stats.dirty_files
+        # quarantined journal rows and their data (tierfs doctor shows them) stay with the tier
+        keep = bool(pending or wb_stats.quarantined)
         writeback.close()
         hints.close()
         cache.close()
@@ -805,5 +808,5 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         for tp in plan.tiers:
             if tp.name == "ram":
                 # cached data is freed; dirty files (and their journal) stay for the next mount
-                remove_ram_tier(tp.path, keep_dirty=bool(pending))
+                remove_ram_tier(tp.path, keep_dirty=keep)
         log.info("unmounted %s%s", plan.mountpoint, "" if unmounted_cleanly else " (after an error)")

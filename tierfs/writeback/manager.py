@@ -144,6 +144,10 @@ class DirtyFile:
     retry_at: float = 0.0
     # (a tuple: changed only by assignment, which the write-back index hears of)
     waiters: tuple[tuple[int, trio.Event], ...] = ()
+    # copies into the data file under way (a copy-up, a take-in): never written back meanwhile,
+    # even for a waiter (a flush waits for every dirty file): a partial copy written over the
+    # good backing file, with no journal row to recover it, lost the rest of the file
+    filling: int = 0
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     pins: int = 0  # operations using ``fd`` across an await; it is closed only at zero
     keep: int = 0  # kernel inodes that may still open it after an unlink (see Operations._preserve)
@@ -202,12 +206,12 @@ class _ReadyField:
     assignment of it, wherever it is made, reaches the file's :class:`ReadyIndex`.
 
     A data descriptor with ``__set__`` and no ``__get__``: a read finds the value in the
-    instance's ``__dict__`` at the speed of a plain attribute, and only these ten fields pay for
+    instance's ``__dict__`` at the speed of a plain attribute, and only these eleven fields pay for
     the hook. A ``__setattr__`` on the class, as before, ran in Python for every assignment of
     every field, its ~45 in ``__init__`` included: ~147 calls per file of a ``tar -x``, 7% of
     the daemon's time there (cProfile). The same object assigned again changes nothing the
     index reads: no update (a ``tar -x`` made ~21 index updates per file, many of them such).
-    (On the class, ``DirtyFile.state`` and the other nine are these descriptors, not the
+    (On the class, ``DirtyFile.state`` and the other ten are these descriptors, not the
     defaults; nothing reads the defaults there, and a field is never deleted.)"""
 
     __slots__ = ("name",)
@@ -714,9 +718,11 @@ class WriteBack:
         df = await self.create(path, st.st_mode, st.st_uid, st.st_gid, (st.st_atime_ns, st.st_mtime_ns),
                                journal=False)
         piece = kernel.piece if kernel is not None else COPY_UP_PIECE
-        # Until the copy is complete it counts as a writer: the write-back worker must not
-        # commit a partial copy over the good backing file.
+        # Until the copy is complete it counts as a writer, and as filling (which a waiter does
+        # not override: a flush waits for every file): the write-back worker must not commit a
+        # partial copy over the good backing file.
         df.writers += 1
+        df.filling += 1
         try:
             try:
                 if xattr_src is not None:
@@ -737,7 +743,11 @@ class WriteBack:
                             got = await self.copy_in(df, off, kernel.fd, n, kernel.route)
                             self.copied_up_in_kernel += got
                             if got < n:
-                                break  # the source ended early (changed meanwhile): as a read would
+                                # the backing file shrank behind tierfs' back: a copy padded
+                                # with zeros to the old size would be written back over it
+                                # (the cache's read fails the same way)
+                                raise BackingIOError(os.fsdecode(path or b"(unlinked)"),
+                                                     OSError(errno.EIO, "backing file shrank during the copy"))
                         else:
                             data = await read(off, n)  # type: ignore[misc]
                             await self.write(df, off, data, touch_mtime=False)
@@ -759,6 +769,10 @@ class WriteBack:
             raise
         if df.path is not None:
             self._journal(self.journal.set_path, df.id, df.path)  # complete: from now on it is a dirty file
+        # (only now: a copy cut short stays "filling" through its abandon, which awaits)
+        df.filling -= 1
+        if df.waiters:
+            self._wake.set()  # a flush waits for it: ready now that it is whole
         return df
 
     # -- data ------------------------------------------------------------------------------
@@ -1457,6 +1471,7 @@ class WriteBack:
             df = await self.create(path, st.st_mode, st.st_uid, st.st_gid,
                                    (st.st_atime_ns, src.st_mtime_ns), journal=False)
             df.writers += 1  # a partial copy is never written back (as copy_up)
+            df.filling += 1
         assert df is not None
         try:
             if fresh and xattr_src is not None:
@@ -1470,6 +1485,7 @@ class WriteBack:
             await self._charge_what_it_holds(df)
         finally:
             if fresh:
+                df.filling -= 1
                 df.writers -= 1
         if fresh:
             self._journal(self.journal.set_path, df.id, path)  # complete: a dirty file from now on

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # Every DirtyFile field the choice depends on; an assignment to any of them updates the index.
 READY_FIELDS = frozenset({"state", "path", "retry_at", "inflight", "excl", "writers", "waiters",
-                          "durable_gen", "gen", "deadline"})
+                          "durable_gen", "gen", "deadline", "filling"})
 COMPACT_SLACK = 64  # entries beyond twice the live ones before the heaps are rebuilt
 
 _Entry = tuple[float, int, int, "DirtyFile"]  # (deadline or retry_at, order, version, file)
@@ -47,7 +47,7 @@ def scan_choice(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
     Not used by the daemon: O(dirty files) per choice."""
     ready = [df for df in files.values()
              if df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-             and df.retry_at <= now and df.inflight == 0 and df.excl is None
+             and df.retry_at <= now and df.inflight == 0 and df.excl is None and df.filling == 0
              and (df.writers == 0 or df.waiters)
              and (df.durable_gen < df.gen or df.writers == 0)]
     return min(ready, key=lambda d: d.deadline) if ready else None
@@ -56,7 +56,7 @@ def scan_choice(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
 def is_ready(df: DirtyFile) -> bool:
     """Ready for write-back, whatever the time (``retry_at`` is not looked at)."""
     return (df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
-            and df.inflight == 0 and df.excl is None
+            and df.inflight == 0 and df.excl is None and df.filling == 0
             and (df.writers == 0 or bool(df.waiters))
             and (df.durable_gen < df.gen or df.writers == 0))
 
