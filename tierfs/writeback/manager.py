@@ -1485,10 +1485,10 @@ class WriteBack:
             await self._charge_what_it_holds(df)
         finally:
             if fresh:
-                df.filling -= 1
                 df.writers -= 1
         if fresh:
             self._journal(self.journal.set_path, df.id, path)  # complete: a dirty file from now on
+            df.filling -= 1  # (only now: a take-in cut short is never written back)
         if df.writers == 0:
             now = trio.current_time()
             df.deadline = df.due = now + self.deadline_s
