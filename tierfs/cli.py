@@ -254,7 +254,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + (math.inf if pending else args.timeout)
     while time.monotonic() < deadline:
         if not _alive(pid):
-            if ram_tier is not None and _has_entries(os.path.join(ram_tier, "dirty")):
+            if ram_tier is not None and _left_files(ram_tier):
                 # written back, the daemon removes its RAM tier: files were not (its log says why)
                 print(f"tierfs: daemon {pid} exited with files not written back; they stay in {ram_tier} "
                       "until the next mount of this mountpoint, and are lost at a reboot "
@@ -266,9 +266,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _has_entries(path: str) -> bool:
+def _left_files(ram_tier: str) -> bool:
+    """Whether the RAM tier a daemon exited from still holds data files (not written back)."""
+    from tierfs.mount import has_entries
+
     try:
-        return bool(os.listdir(path))
+        return has_entries(os.path.join(ram_tier, "dirty"))
     except OSError:
         return False
 

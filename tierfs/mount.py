@@ -162,7 +162,7 @@ def remove_ram_tier(path: str, *, keep_dirty: bool) -> None:
     descriptors, never through a redirected path."""
     private.remove_dir(path, "data")
     if keep_dirty and (os.path.exists(os.path.join(path, "journal.sqlite"))
-                       or any(_has_entries(os.path.join(path, d)) for d in ("dirty", "quarantine"))):
+                       or any(has_entries(os.path.join(path, d)) for d in ("dirty", "quarantine"))):
         return
     parent = os.path.dirname(path)
     private.remove_dir(parent, os.path.basename(path))
@@ -304,7 +304,8 @@ def free_unheld_ram_tier(path: str, *, whole: bool) -> bool:
     return True
 
 
-def _has_entries(path: str) -> bool:
+def has_entries(path: str) -> bool:
+    """Whether directory ``path`` holds anything (False if it is gone). Raises OSError."""
     try:
         with os.scandir(path) as it:
             return next(it, None) is not None
