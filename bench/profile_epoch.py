@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> dict:
         out["requests"] = {op: {k: round(v, 3) for k, v in d.items()}
                            for op, d in sorted(per_request(before, after, n).items())}
         out["getattrs_from_open"] = after.get("getattrs_from_open", 0) - before.get("getattrs_from_open", 0)
+        tr = _stats(mnt).get("transport", {})
+        out["answered_at_once"] = {k: v for k, v in tr.items() if k.endswith("_answered_at_once")}
     finally:
         stop(proc, mnt, work)
     out["loadavg_end"] = open("/proc/loadavg").read().strip()

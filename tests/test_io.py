@@ -154,3 +154,19 @@ async def test_time_of_other_tasks_at_the_checkpoint_is_not_charged(clock: FakeC
             nursery.start_soon(other_task)
             assert await dev.run(on_loop_thread(clock, 0.0001))
     assert dev.thread_calls == 0 and dev.slow_inline_calls == 0
+
+
+async def test_calls_made_now_are_judged_with_the_awaited_ones(clock: FakeClock) -> None:
+    """``run_now`` (a request answered as the transport reads it, which cannot await) runs
+    inline only where ``inline_now`` says a call would, and its durations count as an awaited
+    call's: two slow calls of either kind send both kinds to threads for the period."""
+    dev = Device("t", 2, inline_under=0.001, thread_period=30)
+    assert dev.inline_now()
+    assert dev.run_now(on_loop_thread(clock, 0.015))  # a first spike: still inline
+    assert dev.inline_now()
+    assert await dev.run(on_loop_thread(clock, 0.015))  # a second: threads from now on
+    assert not dev.inline_now() and dev.inline_calls == 2 and dev.slow_inline_calls == 2
+    assert not await dev.run(on_loop_thread(clock))
+    clock.now += 31
+    assert dev.inline_now()
+    assert not Device("u", 2).inline_now()  # no inline limit: never inline

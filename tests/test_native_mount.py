@@ -331,6 +331,43 @@ def test_small_resident_file_keeps_its_registration_between_opens(nm: Mount) -> 
     assert (nm.mnt / "b.jpg").read_bytes() == data2
 
 
+def test_an_open_of_a_kept_copy_is_answered_at_once_and_sees_changes_behind_tierfs(nm: Mount) -> None:
+    """A reader's open of a file no handle has open, whose tier copy is kept registered since
+    its last close, is answered as the transport reads it (Handlers.open_now): the open of
+    every file of a small-file epoch after the first. It still opens and compares the backing
+    file, so what a change behind tierfs' back does is seen at that open, as before: new bytes
+    of the same size with the mtime put back, and a removal (ENOENT, not the kept copy)."""
+    data = write_random(nm.backing / "k.jpg", 120 * 1024, seed=7)
+    make_resident(nm, "k.jpg", len(data))
+    assert (nm.mnt / "k.jpg").read_bytes() == data  # passes through: kept at its close
+    t0 = transport_stats(nm)
+    for _ in range(3):
+        assert (nm.mnt / "k.jpg").read_bytes() == data
+    t1 = transport_stats(nm)
+    assert t1["opens_answered_at_once"] == t0["opens_answered_at_once"] + 3
+    assert t1["kept_backing_reuses"] == t0["kept_backing_reuses"] + 3
+
+    with open(nm.mnt / "k.jpg", "rb") as held:  # (at once); open now: the next is the handler's
+        assert (nm.mnt / "k.jpg").read_bytes() == data
+        assert transport_stats(nm)["opens_answered_at_once"] == t1["opens_answered_at_once"] + 1
+        assert held.read() == data
+
+    st = os.stat(nm.backing / "k.jpg")
+    new = bytes(b ^ 0x5A for b in data[:8192]) + data[8192:]
+    (nm.backing / "k.jpg").write_bytes(new)  # same inode, same size
+    os.utime(nm.backing / "k.jpg", ns=(st.st_atime_ns, st.st_mtime_ns))  # (its ctime moved)
+    assert (nm.mnt / "k.jpg").read_bytes() == new
+
+    make_resident(nm, "k.jpg", len(new))
+    assert (nm.mnt / "k.jpg").read_bytes() == new  # kept again
+    before = transport_stats(nm)["opens_answered_at_once"]
+    assert (nm.mnt / "k.jpg").read_bytes() == new
+    assert transport_stats(nm)["opens_answered_at_once"] == before + 1
+    os.unlink(nm.backing / "k.jpg")
+    with pytest.raises(FileNotFoundError):
+        (nm.mnt / "k.jpg").read_bytes()
+
+
 def test_the_fstat_right_after_an_open_is_answered_by_the_opens_own_fstat(nm: Mount) -> None:
     """Python's open() fstat-s the new descriptor, and after a read passed through to the tier
     file (which marks the atime stale in the kernel) that fstat is a GETATTR: the backing file's

@@ -108,48 +108,63 @@ class Device:
                     await trio.lowlevel.checkpoint_if_cancelled()
                 # timed from here, not from before the checkpoint: other tasks run there, and
                 # their time was charged to this call (every call under load looked slow)
-                now = time.monotonic()
-                cpu = time.thread_time()
-                switches = _voluntary_switches()
-                try:
-                    return fn(*args)
-                finally:
-                    took = time.monotonic() - now
-                    slept = True
-                    if took > self.inline_under and _voluntary_switches() == switches:
-                        # it never slept (no I/O wait): the wall time beyond its CPU time was
-                        # preemption by other processes (a loaded machine: DataLoader workers
-                        # on every core), which a thread would suffer too and then add a
-                        # hand-off; charge the CPU time it held the loop for
-                        took = time.thread_time() - cpu
-                        slept = False
-                    self.inline_calls += 1
-                    probing = self._probe_from is not None
-                    if probing and self.inline_calls - self._probe_from > self.PROBE_CALLS:  # type: ignore[operator]
-                        self._probe_from, self.period, probing = None, self.thread_period, False
-                    spike_at = self.SPIKE_FACTOR * self.inline_under
-                    # one outlier moves the mean by at most half the limit: alone it is judged
-                    # as a spike, below
-                    self._mean_s += self.EWMA_WEIGHT * (min(took, spike_at / 2) - self._mean_s)
-                    spike = took > spike_at
-                    if took > self.inline_under:
-                        self.slow_inline_calls += 1
-                    if spike and slept and self.inline_calls - self._spike_call > self.CONFIRM_CALLS:
-                        # A call that slept that long is a slow device (a cold HDD lookup) or
-                        # a short sleep followed by a long wait for a CPU (4 DataLoader workers
-                        # on 2 cores): only a second one soon after says which. One such stall
-                        # sent every call to threads for 30 s, and a small-file epoch to a
-                        # third of its speed (2,100 instead of 6,000 files/s)
-                        self._spike_call = self.inline_calls
-                        spike = False
-                    if self._mean_s > self.inline_under or spike:
-                        if probing:
-                            self.period = min(2 * self.period, self.MAX_PERIOD_FACTOR * self.thread_period)
-                        self._threads_until = now + took + self.period
-                        self._probe_from = self.inline_calls
-                        self._spike_call = -(1 << 30)  # the probe starts afresh
-                        self._mean_s = 0.0
+                return self._inline(fn, *args)
         return await self.in_thread(fn, *args)
+
+    def inline_now(self) -> bool:
+        """Whether a call made now would run inline (see the class docstring)."""
+        return self.inline_under is not None and time.monotonic() >= self._threads_until
+
+    def run_now(self, fn: Callable[..., T], *args: object) -> T:
+        """Run blocking ``fn(*args)`` inline now, timed as :meth:`run` times its inline calls,
+        with no yield: for a caller that cannot await (a request the transport answers as it
+        reads it), which checked :meth:`inline_now` first."""
+        return self._inline(fn, *args)
+
+    def _inline(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the loop, its time judged (the class docstring)."""
+        under = self.inline_under or 0.0  # (set: the callers checked)
+        now = time.monotonic()
+        cpu = time.thread_time()
+        switches = _voluntary_switches()
+        try:
+            return fn(*args)
+        finally:
+            took = time.monotonic() - now
+            slept = True
+            if took > under and _voluntary_switches() == switches:
+                # it never slept (no I/O wait): the wall time beyond its CPU time was
+                # preemption by other processes (a loaded machine: DataLoader workers
+                # on every core), which a thread would suffer too and then add a
+                # hand-off; charge the CPU time it held the loop for
+                took = time.thread_time() - cpu
+                slept = False
+            self.inline_calls += 1
+            probing = self._probe_from is not None
+            if probing and self.inline_calls - self._probe_from > self.PROBE_CALLS:  # type: ignore[operator]
+                self._probe_from, self.period, probing = None, self.thread_period, False
+            spike_at = self.SPIKE_FACTOR * under
+            # one outlier moves the mean by at most half the limit: alone it is judged
+            # as a spike, below
+            self._mean_s += self.EWMA_WEIGHT * (min(took, spike_at / 2) - self._mean_s)
+            spike = took > spike_at
+            if took > under:
+                self.slow_inline_calls += 1
+            if spike and slept and self.inline_calls - self._spike_call > self.CONFIRM_CALLS:
+                # A call that slept that long is a slow device (a cold HDD lookup) or
+                # a short sleep followed by a long wait for a CPU (4 DataLoader workers
+                # on 2 cores): only a second one soon after says which. One such stall
+                # sent every call to threads for 30 s, and a small-file epoch to a
+                # third of its speed (2,100 instead of 6,000 files/s)
+                self._spike_call = self.inline_calls
+                spike = False
+            if self._mean_s > under or spike:
+                if probing:
+                    self.period = min(2 * self.period, self.MAX_PERIOD_FACTOR * self.thread_period)
+                self._threads_until = now + took + self.period
+                self._probe_from = self.inline_calls
+                self._spike_call = -(1 << 30)  # the probe starts afresh
+                self._mean_s = 0.0
 
     async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
         """Run blocking ``fn(*args)`` in a worker thread under this device's limiter, never

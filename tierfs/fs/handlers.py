@@ -705,6 +705,56 @@ class Handlers:
                 return OpenReply(self.handles.add(h), keep_cache=True)
             return await self._open_backing(entry, h)
 
+    def open_now(self, inode: int, flags: int, ctx: RequestCtx) -> tuple[OpenReply, Lease] | None:
+        """:meth:`open` and then :meth:`lease` with no await, or None (nothing done: call
+        them): a reader's open of a clean file that no handle has open and whose tier copy is
+        kept leased since its last close (:meth:`_reuse_kept`), while backing-store metadata
+        calls run inline. That is the open of every file of a small-file epoch after the first;
+        a transport answers it as it reads the request, with no task. The backing file is
+        opened and compared as :meth:`open` compares it, so a change made behind tierfs' back
+        is seen at this open too (then None: :meth:`open` tells the kernel). An error of the
+        backing open returns None too: :meth:`open` answers it."""
+        if flags & (_WRITE_FLAGS | os.O_TRUNC):
+            return None
+        entry = self.inodes.by_inode.get(inode)
+        tp = self.tier_passthrough.get(inode)
+        if (entry is None or entry.path is None or entry.dirty is not None or tp is None or tp.handles > 0
+                or tp.kind != "tier" or tp.keeper is None or self.handles.has_inode(inode)
+                or self._is_control(inode)):
+            return None
+        t0 = time.perf_counter()
+        try:
+            bf = self.ns.backing_file_now(self.inodes.rel(entry))
+        except OSError:
+            return None  # open() says why (and finds a file another handle holds)
+        if bf is None:
+            return None
+        i = bf.identity
+        if ((entry.told is not None and entry.told != (i.dev, i.ino, i.size, i.mtime_ns, i.ctime_ns))
+                or entry.last_key not in (None, bf.key)):
+            self.ns.release_backing(bf)
+            return None  # changed behind tierfs' back: open() tells the kernel
+        h = FileHandle(inode, writer=False, append=bool(flags & os.O_APPEND), pid=ctx.pid,
+                       uid=ctx.uid, gid=ctx.gid)
+        h.file = bf
+        fh = self.handles.add(h)
+        lease = self._reuse_kept(h, entry, tp)
+        if lease is None:  # (the kept copy let go: open() leases as for a first open)
+            self.handles.pop(fh)
+            self._let_go(h)
+            return None
+        entry.reval_sent = False
+        entry.last_key = bf.key
+        path = entry.path
+        with logged_errors("open: predictions"):  # (a bug there must not fail the open)
+            if self.on_open_read is not None:
+                self.on_open_read(ctx.pid, path)
+            if self.on_read_end is not None:  # (as lease() does for a reader passed through)
+                self.on_read_end(h.pid, path)
+        self.requests["open"] += 1
+        self.request_seconds["open"] += time.perf_counter() - t0
+        return OpenReply(fh, keep_cache=True), lease
+
     async def _join_written_back(self, entry: InodeEntry, writer: bool) -> DirtyFile | None:
         """The dirty file a new open of ``entry`` must share: one written back (clean) while
         handles still read its data file, which the kernel may pass them through to (one
@@ -1406,15 +1456,17 @@ class Handlers:
                 if h.dirty is not None:
                     await self.wb.closed(h.dirty, h.writer)
 
-    def release_now(self, fh: int) -> bool:
+    def release_now(self, fh: int, *, count: bool = True) -> bool:
         """The release of handle ``fh`` done now, with no await, when it needs none: a file
         handle with no dirty copy and no writable lease (every open of a clean file for
         reading). False (nothing done): call :meth:`release`. A transport answers it as it
-        reads it, with no task: a small-file epoch releases every file it reads."""
+        reads it, with no task: a small-file epoch releases every file it reads. ``count``:
+        False for a handle the kernel never saw (an open undone before its reply)."""
         h = self.handles.handles.get(fh)
         if not isinstance(h, FileHandle) or h.dirty is not None or (h.lease is not None and h.lease.writable):
             return False
-        self.requests["release"] += 1
+        if count:
+            self.requests["release"] += 1
         with logged_errors("release"):
             self.handles.pop(fh)
             self._let_go(h)

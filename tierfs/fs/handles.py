@@ -97,6 +97,10 @@ class HandleTable:
                     del self._by_inode[h.inode]
         return h
 
+    def has_inode(self, inode: int) -> bool:
+        """Whether any handle of ``inode`` is open."""
+        return inode in self._by_inode
+
     def of_inode(self, inode: int) -> list[FileHandle]:
         """The open file handles of ``inode``, oldest first."""
         of = self._by_inode.get(inode)

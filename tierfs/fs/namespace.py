@@ -882,13 +882,7 @@ class Namespace:
         await self.openings.wait(rel)  # a prefetch opening it: share what it opens
         shared = await self._shared_open(rel)
         if shared is not None:
-            held = self.open_files.get(shared.key)
-            if held is None or held.fd < 0:
-                self.open_files[shared.key] = shared
-            shared.acquire()
-            shared.opens += 1
-            self.shared_opens += 1
-            return shared
+            return self._acquire_shared(shared)
         opening = self.openings.begin(rel)
         gen = self._change_gen
         try:
@@ -896,11 +890,49 @@ class Namespace:
         finally:
             self.openings.end(rel, opening)
         if reader and self._changing == 0 and self._change_gen == gen:  # raced no change
-            self._opened[rel] = (trio.current_time(), st)
-            self._opened.move_to_end(rel)
-            if len(self._opened) > LOOKED_UP_MAX:
-                self._opened.popitem(last=False)
+            self._record_opened(rel, st)
         return self._share_open(rel, st, fd)
+
+    def backing_file_now(self, rel: bytes) -> BackingFile | None:
+        """:meth:`backing_file` for a reader, with no await, or None (nothing done: call
+        :meth:`backing_file`): while no prefetch is opening ``rel``, backing-store metadata
+        calls run inline (:meth:`tierfs.io.Device.inline_now`), and sharing a descriptor a
+        prefetch holds would not take an ``lstat`` first. Raises OSError as the open does."""
+        if self.openings.busy(rel) or not self.meta.inline_now():
+            return None
+        seen = self._looked_up.get(rel)
+        if seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S:
+            del self._looked_up[rel]
+            shared = self._looked_up_open(rel, seen[1])
+        else:
+            held = self.find_held(rel) if self.find_held is not None else None
+            if held is not None and held.fd >= 0:
+                return None  # _shared_open compares it with an lstat first
+            self._looked_up.pop(rel, None)  # (too old to trust, as _shared_open drops it)
+            shared = None
+        if shared is not None:
+            return self._acquire_shared(shared)
+        fd, st = self.meta.run_now(open_backing, self.tree, rel)
+        if self._changing == 0:  # (nothing can change while this runs: no await)
+            self._record_opened(rel, st)
+        return self._share_open(rel, st, fd)
+
+    def _acquire_shared(self, shared: BackingFile) -> BackingFile:
+        """``shared`` (from :meth:`_shared_open`), with one more open counted."""
+        held = self.open_files.get(shared.key)
+        if held is None or held.fd < 0:
+            self.open_files[shared.key] = shared
+        shared.acquire()
+        shared.opens += 1
+        self.shared_opens += 1
+        return shared
+
+    def _record_opened(self, rel: bytes, st: os.stat_result) -> None:
+        """A reader's open fstat-ed ``rel`` just now (:meth:`opened_stat`)."""
+        self._opened[rel] = (trio.current_time(), st)
+        self._opened.move_to_end(rel)
+        if len(self._opened) > LOOKED_UP_MAX:
+            self._opened.popitem(last=False)
 
     def _share_open(self, rel: bytes, st: os.stat_result, fd: int) -> BackingFile:
         """The open backing file of ``rel`` with identity ``st``: the one already in the table
@@ -928,10 +960,7 @@ class Namespace:
         Costs nothing when neither holds: no extra call."""
         seen = self._looked_up.pop(rel, None)
         if seen is not None and trio.current_time() - seen[0] <= LOOKED_UP_S:
-            key = Identity.of(key_path(self.tree.root, rel), seen[1]).key
-            bf = self.open_files.get(key)
-            if (bf is None or bf.fd < 0) and self.find_open is not None:
-                bf = self.find_open(key)
+            return self._looked_up_open(rel, seen[1])
         else:
             bf = self.find_held(rel) if self.find_held is not None else None
             if bf is None or bf.fd < 0:
@@ -942,6 +971,17 @@ class Namespace:
                 return None  # the open says why
             if Identity.of(key_path(self.tree.root, rel), st).key != bf.key:
                 return None
+        if bf is None or bf.fd < 0 or bf.stale:
+            return None
+        return bf
+
+    def _looked_up_open(self, rel: bytes, st: os.stat_result) -> BackingFile | None:
+        """An open backing file whose identity is ``st``, what the lookup just before this
+        open found at ``rel`` (:meth:`_shared_open`), if the daemon holds one."""
+        key = Identity.of(key_path(self.tree.root, rel), st).key
+        bf = self.open_files.get(key)
+        if (bf is None or bf.fd < 0) and self.find_open is not None:
+            bf = self.find_open(key)
         if bf is None or bf.fd < 0 or bf.stale:
             return None
         return bf

@@ -106,6 +106,10 @@ class Openings:
         while (ev := self._by_path.get(rel)) is not None:
             await ev.wait()
 
+    def busy(self, rel: bytes) -> bool:
+        """Whether an open of ``rel`` is under way."""
+        return rel in self._by_path
+
     def begin(self, rel: bytes) -> trio.Event:
         ev = self._by_path[rel] = trio.Event()
         return ev
