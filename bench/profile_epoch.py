@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> dict:
         out["fill_files_per_s"] = round(_epoch(mnt, names, args.procs))
         out["fill_daemon_cpu_us_per_file"] = round((_cpu_s(proc.pid) - cpu0) / args.files * 1e6)
         time.sleep(3)  # the fills of the last files
-        before, cpu = _stats(mnt)["fuse"], _cpu_s(proc.pid)
+        whole = _stats(mnt)
+        before, tr0, cpu = whole["fuse"], whole.get("transport", {}), _cpu_s(proc.pid)
         log(f"{args.epochs} epochs")
         rates = []
         for _ in range(args.epochs):
@@ -101,8 +102,8 @@ def run(args: argparse.Namespace) -> dict:
         out["requests"] = {op: {k: round(v, 3) for k, v in d.items()}
                            for op, d in sorted(per_request(before, after, n).items())}
         out["getattrs_from_open"] = after.get("getattrs_from_open", 0) - before.get("getattrs_from_open", 0)
-        tr = _stats(mnt).get("transport", {})
-        out["answered_at_once"] = {k: v for k, v in tr.items() if k.endswith("_answered_at_once")}
+        tr = _stats(mnt).get("transport", {})  # (the drops' requests included)
+        out["answered_at_once"] = {k: v - tr0.get(k, 0) for k, v in tr.items() if k.endswith("_answered_at_once")}
     finally:
         stop(proc, mnt, work)
     out["loadavg_end"] = open("/proc/loadavg").read().strip()

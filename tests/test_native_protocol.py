@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import time
+import types
 
 import pytest
 import trio
@@ -609,6 +610,57 @@ def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
     s, stub = _run(script)
     assert stub.released == [77] and s.stale_replies == 1
 
+
+
+def test_an_open_answered_at_once_whose_reply_the_kernel_did_not_take_is_released(monkeypatch, tmp_path):
+    """The OPEN of a kept tier copy is answered as it is read (Handlers.open_now). If the
+    kernel does not take that reply (its opener was killed meanwhile), the handle is released
+    there and then, and the inode's count of passthrough opens goes back: else the copy stayed
+    pinned, and the inode in passthrough mode for good (its cached opens refused ETXTBSY)."""
+    real = os.writev
+
+    def writev(fd, parts):
+        if c.OUT_HEADER.unpack_from(parts[0])[2] == 52:
+            raise OSError(errno.ENOENT, "No such file or directory")
+        return real(fd, parts)
+
+    monkeypatch.setattr(native.os, "writev", writev)
+    (tmp_path / "copy").write_bytes(b"x" * 10)
+    fd = os.open(tmp_path / "copy", os.O_RDONLY)
+    st = os.fstat(fd)
+    handles = iter([78, 79])
+    released: list[tuple[int, bool]] = []
+
+    def open_now(inode, flags, ctx, register):
+        bid = register(fd)  # the kept registration: no ioctl
+        assert bid == 3
+        return OpenReply(next(handles)), types.SimpleNamespace(fd=fd, size=10, tier="ram"), bid
+
+    def release_now(fh, count=True):
+        released.append((fh, count))
+        return True
+
+    async def script(peer, stub):
+        await peer.reply()
+        s = stub.session
+        s.pt = native.Passthrough(s.fd, kept=lambda inode: True)  # (a kept copy outlives its opens)
+        s.pt.inodes[5] = native._InodeIO(backing_id=3, ident=(st.st_dev, st.st_ino), kind="tier")
+        stub.open_now, stub.release_now = open_now, release_now
+        await peer.send(req(c.OPEN, struct.pack("<II", os.O_RDONLY, 0), unique=52, nodeid=5))
+        await peer.send(req(c.OPEN, struct.pack("<II", os.O_RDONLY, 0), unique=53, nodeid=5))
+        unique, err, payload = await peer.reply()
+        assert (unique, err) == (53, 0)
+        assert c.OPEN_OUT.unpack_from(payload) == (79, c.FOPEN_PASSTHROUGH | c.FOPEN_NOFLUSH, 3)
+        assert released == [(78, False)]
+        assert s.pt.by_fh == {79: (5, "pt", False)} and s.pt.inodes[5].pt == 1
+        assert s.opens_now == 1 and s.stale_replies == 1
+        s.pt.inodes.clear()  # (no BACKING_CLOSE ioctl on the socket at the end)
+        s.pt.by_fh.clear()
+
+    try:
+        _run(script)
+    finally:
+        os.close(fd)
 
 
 def test_a_lookup_whose_reply_the_kernel_did_not_take_is_forgotten(monkeypatch):

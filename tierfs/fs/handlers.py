@@ -705,7 +705,8 @@ class Handlers:
                 return OpenReply(self.handles.add(h), keep_cache=True)
             return await self._open_backing(entry, h)
 
-    def open_now(self, inode: int, flags: int, ctx: RequestCtx) -> tuple[OpenReply, Lease] | None:
+    def open_now(self, inode: int, flags: int, ctx: RequestCtx,
+                 register: Callable[[int], int | None]) -> tuple[OpenReply, Lease, int] | None:
         """:meth:`open` and then :meth:`lease` with no await, or None (nothing done: call
         them): a reader's open of a clean file that no handle has open and whose tier copy is
         kept leased since its last close (:meth:`_reuse_kept`), while backing-store metadata
@@ -713,7 +714,13 @@ class Handlers:
         a transport answers it as it reads the request, with no task. The backing file is
         opened and compared as :meth:`open` compares it, so a change made behind tierfs' back
         is seen at this open too (then None: :meth:`open` tells the kernel). An error of the
-        backing open returns None too: :meth:`open` answers it."""
+        backing open returns None too: :meth:`open` answers it.
+
+        ``register(fd)``: the transport's registration of the lease's descriptor with the
+        kernel, its backing id or None; None (or an unexpected error) undoes the open, before
+        the open is counted or told to the predictors, and returns None. Returns (reply, lease,
+        backing id); if the kernel then refuses the reply, release the handle with
+        :meth:`release_now` (``count=False``)."""
         if flags & (_WRITE_FLAGS | os.O_TRUNC):
             return None
         entry = self.inodes.by_inode.get(inode)
@@ -738,10 +745,17 @@ class Handlers:
                        uid=ctx.uid, gid=ctx.gid)
         h.file = bf
         fh = self.handles.add(h)
-        lease = self._reuse_kept(h, entry, tp)
-        if lease is None:  # (the kept copy let go: open() leases as for a first open)
+        lease: Lease | None = None
+        bid = None
+        try:
+            lease = self._reuse_kept(h, entry, tp)  # (None: the kept copy let go)
+            if lease is not None:
+                bid = register(lease.fd)
+        except Exception:  # noqa: BLE001 - a bug: undone here, the handler tries (and answers)
+            log.exception("open of %s: unexpected error answering it at once", logevents.user_text(entry.path))
+        if bid is None or lease is None:  # open() leases and registers as for a first open
             self.handles.pop(fh)
-            self._let_go(h)
+            self._let_go(h)  # (the lease, kept again; the backing file)
             return None
         entry.reval_sent = False
         entry.last_key = bf.key
@@ -753,7 +767,7 @@ class Handlers:
                 self.on_read_end(h.pid, path)
         self.requests["open"] += 1
         self.request_seconds["open"] += time.perf_counter() - t0
-        return OpenReply(fh, keep_cache=True), lease
+        return OpenReply(fh, keep_cache=True), lease, bid
 
     async def _join_written_back(self, entry: InodeEntry, writer: bool) -> DirtyFile | None:
         """The dirty file a new open of ``entry`` must share: one written back (clean) while

@@ -712,12 +712,8 @@ class NativeSession:
                 self.getxattrs_now += 1
                 self._send(c.error_reply(req.unique, err))
                 return None
-        if op == c.OPEN and self.pt is not None and self.clean_passthrough:
-            out = self._open_now(req)
-            if out is not None:  # a kept tier copy, with no task (Handlers.open_now)
-                self.opens_now += 1
-                self._send(c.reply(req.unique, out))
-                return None
+        if op == c.OPEN and self.pt is not None and self.clean_passthrough and self._open_now(req):
+            return None  # a kept tier copy, answered with no task (Handlers.open_now)
         handler = _HANDLERS.get(op)
         if handler is None:
             self.unknown += 1
@@ -748,29 +744,32 @@ class NativeSession:
             self._inflight[req.unique] = (op, scope)
         return req, handler, scope
 
-    def _open_now(self, req: c.Request) -> bytes | None:
-        """The open_out of a reader's OPEN of an inode no handle has open whose tier copy's
-        registration is kept since its last close (:meth:`Handlers.open_now`), or None
-        (nothing done: the OPEN handler runs)."""
+    def _open_now(self, req: c.Request) -> bool:
+        """Answer a reader's OPEN of an inode no handle has open whose tier copy's
+        registration is kept since its last close (:meth:`Handlers.open_now`); False: nothing
+        done (the OPEN handler runs)."""
         pt = self.pt
         assert pt is not None
         inode = req.nodeid
         io = pt.inodes.get(inode)
         if io is None or not io.backing_id or io.pt or io.cached or io.kind != "tier":
-            return None
-        got = self.h.open_now(inode, req.args["flags"], self.ctx(req))
+            return False
+        got = self.h.open_now(inode, req.args["flags"], self.ctx(req),
+                              lambda fd: pt.register(inode, fd, "tier"))
         if got is None:
-            return None
-        r, lease = got
-        bid = pt.register(inode, lease.fd, "tier")
-        if bid is None:  # undone: the OPEN handler does it again, the long way
-            self.h.release_now(r.fh, count=False)
-            return None
+            return False
+        r, lease, bid = got
         pt.opened(r.fh, inode, "pt", False)
+        if not self._send(c.reply(req.unique, c.open_out(r.fh, c.FOPEN_PASSTHROUGH | c.FOPEN_NOFLUSH, bid))):
+            # not taken (its opener was killed meanwhile): the kernel never releases it
+            pt.released(r.fh)
+            self.h.release_now(r.fh, count=False)
+            return True
+        self.opens_now += 1
         pt.stats.opens += 1
         pt.stats.bytes += lease.size
         pt.stats.by_tier[lease.tier] += 1
-        return c.open_out(r.fh, c.FOPEN_PASSTHROUGH | c.FOPEN_NOFLUSH, bid)
+        return True
 
     def _interrupt(self, unique: int) -> None:
         self.interrupts += 1
