@@ -776,6 +776,10 @@ class Namespace:
             bf = await self.backing_file(path)
             access = AccessState()
             try:
+                # the file opened, not the one the lstat named a moment before: one renamed
+                # over the name in between is copied whole, with its own mode, owner and times
+                # (it was copied to the old file's size under the old file's attributes)
+                st = await self.meta.run(os.fstat, bf.fd)
                 segments = await self.meta.run(data_segments, bf.fd, st.st_size)
                 # xattrs are read through the open descriptor (/proc/self/fd/N), not a path
                 df = await self.wb.copy_up(
