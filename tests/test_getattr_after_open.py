@@ -1,7 +1,10 @@
-"""The GETATTR right after an open is answered by the fstat that open took of the backing file
-(Namespace.lstat), in-process: only when no request that may change a file ran, or was in
-flight, while the open's fstat was taken. (Through a real mount: tests/test_native_mount.py,
-``-k fstat``.) And, with the same in-process handlers, which file a copy-up copies."""
+"""The handler layer in-process, over a real write-back instance and backing directory.
+
+The GETATTR right after an open is answered by the fstat that open took of the backing file
+(Namespace.lstat): only when no request that may change a file ran, or was in flight, while the
+open's fstat was taken. (Through a real mount: tests/test_native_mount.py, ``-k fstat``.) Also:
+which file a copy-up copies, the handles released when the mount is gone, and an open that a
+bug in next-file prediction must not fail."""
 
 from __future__ import annotations
 
@@ -101,3 +104,49 @@ async def test_a_copy_up_copies_the_file_it_opened_with_that_files_own_attribute
         ns.meta.run = real_run  # type: ignore[method-assign]
         assert os.pread(df.fd, 100, 0) == b"the new file, longer"
         assert os.fstat(df.fd).st_mode & 0o7777 == 0o640 and df.size == 20
+
+
+async def test_handles_left_open_when_the_mount_is_gone_are_released(tmp_path: Path) -> None:
+    """When the FUSE session ends, the kernel may have dropped RELEASEs still queued (the last
+    close of a lazily unmounted mount's files): the daemon then releases every handle it still
+    holds, so a writer's file is written back and counted clean, not left "open" for ever."""
+    from tierfs.fs.handles import DirHandle, FileHandle
+
+    disks = Disks(tmp_path / "d")
+    async with instance(disks, deadline_s=3600) as wb:
+        inodes = InodeTable(wb.tree)
+        ops = _handlers(wb, inodes)
+        ops.readahead = SimpleNamespace(forget=lambda state: None)  # type: ignore[assignment]
+        ops.ns.cache = ops.cache = SimpleNamespace(forget_access=lambda access: None)  # type: ignore[assignment]
+        df = await wb.create(b"w", 0o100644, os.getuid(), os.getgid())
+        wb.opened(df, True)
+        await wb.write(df, 0, b"written")
+        entry = inodes.remember_dirty(b"w", df)
+        h = FileHandle(entry.inode, writer=True)
+        h.dirty = df
+        ops.handles.add(h)
+        ops.handles.add(DirHandle(1))
+        assert df.writers == 1
+        assert await ops.release_left() == 2
+        assert df.writers == 0 and not ops.handles.handles
+        await wb.wait_durable(None, timeout=30)
+        assert wb.statistics().dirty_files == 0
+    assert (disks.back / "w").read_bytes() == b"written"
+
+
+async def test_a_bug_in_next_file_prediction_never_fails_an_open(tmp_path: Path) -> None:
+    """The predictor learns an open in the open's own step when it can (no task): a bug there
+    is logged, and the open succeeds, as when only the background task failed."""
+    disks = Disks(tmp_path / "d")
+    (disks.back / "f").write_bytes(b"x")
+    async with instance(disks, deadline_s=3600) as wb:
+        inodes = InodeTable(wb.tree)
+        ops = _handlers(wb, inodes)
+
+        def predictor_bug(pid: int, rel: bytes) -> None:
+            raise RuntimeError("a bug in the predictor")
+
+        ops.on_open_read = predictor_bug
+        entry = inodes.remember(b"f", os.lstat(disks.back / "f"))
+        r = await ops.open(entry.inode, os.O_RDONLY, SimpleNamespace(uid=0, gid=0, pid=7, umask=0))  # type: ignore[arg-type]
+        ops.ns.release_backing(ops.handles.pop(r.fh).file)  # type: ignore[union-attr]

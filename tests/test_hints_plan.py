@@ -427,12 +427,21 @@ async def test_an_open_is_learned_at_once_when_nothing_is_queued_and_its_listing
     hints._nursery = object()  # type: ignore[assignment]
     hints.file_opened(7, b"d/b")  # learned now: no task, no event
     assert not spawned and not hints._events and hints.predictor.successor[b"d/a"] == b"d/b"
-    hints._draining = True  # something is queued before it: it waits its turn
-    hints._events.append((hints._predict, 7, b"d/b"))
+    hints._draining = True  # an event still being handled (the queue empty): it waits its turn
+    hints.file_opened(7, b"d/c")
+    assert [fn.__name__ for fn, _, _ in hints._events] == ["_opened"]
+    hints._events.clear()
+    hints._events.append((hints._predict, 7, b"d/b"))  # something queued before it: likewise
     hints.file_opened(7, b"d/c")
     assert [fn.__name__ for fn, _, _ in hints._events] == ["_predict", "_opened"]
     hints._events.clear()
     hints._draining = False
+    cancelled: list[object] = []  # a wrong guess learned at once is cancelled at once
+    monkeypatch.setattr(hints.plan, "cancel", cancelled.append)
+    hints.predictor.predicted[(7, b"d")] = b"d/a"
+    hints._predicted[(7, b"d")] = 42
+    hints.file_opened(7, b"d/c")
+    assert cancelled == [42] and not spawned
 
     monkeypatch.setattr("tierfs.predict.hints.MAX_LISTING", 2)
     listed: list[bytes] = []

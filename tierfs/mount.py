@@ -734,6 +734,10 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
 
             async def fuse_main() -> None:
                 await session.main()
+                left = await ops.release_left()  # (the mount is gone: no RELEASE comes for these)
+                if left:
+                    log.info("the mount is gone: released %d open handle(s) whose release the kernel "
+                             "never sent", left)
                 if wt_name == "ram":
                     await write_back_before_exit(writeback)
                 nursery.cancel_scope.cancel()
