@@ -102,7 +102,10 @@ def run(args: argparse.Namespace) -> dict:
         out["requests"] = {op: {k: round(v, 3) for k, v in d.items()}
                            for op, d in sorted(per_request(before, after, n).items())}
         out["getattrs_from_open"] = after.get("getattrs_from_open", 0) - before.get("getattrs_from_open", 0)
-        tr = _stats(mnt).get("transport", {})  # (the drops' requests included)
+        whole = _stats(mnt)
+        tr = whole.get("transport", {})  # (the drops' requests included)
+        # metadata calls sent to threads: an open answered at once needs them inline
+        out["devices"] = {k: v for k, v in whole.get("devices", {}).items() if v.get("thread_calls")}
         out["answered_at_once"] = {k: v - tr0.get(k, 0) for k, v in tr.items() if k.endswith("_answered_at_once")}
     finally:
         stop(proc, mnt, work)
