@@ -131,7 +131,21 @@ async def test_handles_left_open_when_the_mount_is_gone_are_released(tmp_path: P
         assert df.writers == 0 and not ops.handles.handles
         await wb.wait_durable(None, timeout=30)
         assert wb.statistics().dirty_files == 0
-    assert (disks.back / "w").read_bytes() == b"written"
+        assert (disks.back / "w").read_bytes() == b"written"
+
+        # one written back while open (fsync on a RAM tier: fsync=backing), then released at
+        # exit: counted clean too (wait_durable does not wait for what is durable already)
+        df = await wb.create(b"s", 0o100644, os.getuid(), os.getgid())
+        wb.opened(df, True)
+        await wb.write(df, 0, b"synced")
+        h = FileHandle(inodes.remember_dirty(b"s", df).inode, writer=True)
+        h.dirty = df
+        ops.handles.add(h)
+        await wb.wait_durable([df], timeout=30)
+        assert await ops.release_left() == 1
+        await wb.wait_durable(None, timeout=30)  # (write_back_before_exit's wait)
+        assert wb.statistics().dirty_files == 0
+    assert (disks.back / "s").read_bytes() == b"synced"
 
 
 async def test_a_bug_in_next_file_prediction_never_fails_an_open(tmp_path: Path) -> None:

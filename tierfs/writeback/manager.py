@@ -1242,7 +1242,12 @@ class WriteBack:
             df.writers -= 1
             if df.writers == 0 and df.path is not None:
                 now = trio.current_time()
-                df.deadline = df.due = now + self.deadline_s
+                # Written back already (fsynced while open, on a RAM tier or with
+                # fsync=backing): due now, to be counted clean (an lstat, no copy). Held for
+                # the deadline, it was skipped by wait_durable, which waits only for bytes not
+                # yet durable, and an unmount right after reported it "not written back".
+                due = now if df.durable_gen >= df.gen else now + self.deadline_s
+                df.deadline = df.due = due
                 self.burst.closed(now)
                 self._wake.set()
         if df.handles == 0 and df.path is None and df.keep == 0:
@@ -1551,8 +1556,10 @@ class WriteBack:
         for df in todo:
             if df.lease_writers:
                 self._absorb(df)  # passthrough writes so far count as "as they are now"
-            if df.path is None or df.durable_gen >= df.gen or df.state is DirtyState.CLEAN:
-                continue
+            if df.path is None or df.state is DirtyState.CLEAN or (df.durable_gen >= df.gen and df.writers):
+                continue  # (on the backing store as it is now; clean once closed)
+            # (durable and closed but not yet counted clean: waited for too, due now; an lstat.
+            # An unmount's write-back of a RAM tier then counts it clean, not "not written back")
             ev = trio.Event()
             df.waiters = (*df.waiters, (df.gen, ev))
             df.deadline = min(df.deadline, now)  # someone waits: due now
