@@ -590,15 +590,21 @@ def test_reply_to_a_forgotten_request_does_not_end_the_loop(monkeypatch):
     assert s.stale_replies == 1
 
 
-def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
+def _refuse_reply(monkeypatch, unique: int) -> None:
+    """The kernel refuses the reply to request ``unique`` (ENOENT: its caller was interrupted
+    or killed meanwhile, and nobody waits for it any more)."""
     real = os.writev
 
     def writev(fd, parts):
-        if c.OUT_HEADER.unpack_from(parts[0])[2] == 50:  # the open's reply: its opener is gone
+        if c.OUT_HEADER.unpack_from(parts[0])[2] == unique:
             raise OSError(errno.ENOENT, "No such file or directory")
         return real(fd, parts)
 
     monkeypatch.setattr(native.os, "writev", writev)
+
+
+def test_an_open_whose_reply_the_kernel_did_not_take_is_released(monkeypatch):
+    _refuse_reply(monkeypatch, 50)  # the open's reply: its opener is gone
 
     async def script(peer, stub):
         await peer.reply()
@@ -617,14 +623,7 @@ def test_an_open_answered_at_once_whose_reply_the_kernel_did_not_take_is_release
     kernel does not take that reply (its opener was killed meanwhile), the handle is released
     there and then, and the inode's count of passthrough opens goes back: else the copy stayed
     pinned, and the inode in passthrough mode for good (its cached opens refused ETXTBSY)."""
-    real = os.writev
-
-    def writev(fd, parts):
-        if c.OUT_HEADER.unpack_from(parts[0])[2] == 52:
-            raise OSError(errno.ENOENT, "No such file or directory")
-        return real(fd, parts)
-
-    monkeypatch.setattr(native.os, "writev", writev)
+    _refuse_reply(monkeypatch, 52)
     (tmp_path / "copy").write_bytes(b"x" * 10)
     fd = os.open(tmp_path / "copy", os.O_RDONLY)
     st = os.fstat(fd)
@@ -667,14 +666,7 @@ def test_a_lookup_whose_reply_the_kernel_did_not_take_is_forgotten(monkeypatch):
     """An entry reply counts a lookup of its inode; if the kernel does not take it (the caller
     was interrupted meanwhile), the kernel never sends the FORGET, so the daemon gives the
     lookup back itself (or the inode would stay in its table for ever)."""
-    real = os.writev
-
-    def writev(fd, parts):
-        if c.OUT_HEADER.unpack_from(parts[0])[2] == 60:
-            raise OSError(errno.ENOENT, "No such file or directory")
-        return real(fd, parts)
-
-    monkeypatch.setattr(native.os, "writev", writev)
+    _refuse_reply(monkeypatch, 60)
 
     async def script(peer, stub):
         await peer.reply()

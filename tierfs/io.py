@@ -108,7 +108,7 @@ class Device:
                     await trio.lowlevel.checkpoint_if_cancelled()
                 # timed from here, not from before the checkpoint: other tasks run there, and
                 # their time was charged to this call (every call under load looked slow)
-                return self._inline(fn, *args)
+                return self.run_now(fn, *args)
         return await self.in_thread(fn, *args)
 
     def inline_now(self) -> bool:
@@ -116,13 +116,9 @@ class Device:
         return self.inline_under is not None and time.monotonic() >= self._threads_until
 
     def run_now(self, fn: Callable[..., T], *args: object) -> T:
-        """Run blocking ``fn(*args)`` inline now, timed as :meth:`run` times its inline calls,
-        with no yield: for a caller that cannot await (a request the transport answers as it
-        reads it), which checked :meth:`inline_now` first."""
-        return self._inline(fn, *args)
-
-    def _inline(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the loop, its time judged (the class docstring)."""
+        """Run blocking ``fn(*args)`` inline now, on the loop, its time judged (the class
+        docstring): :meth:`run`'s inline calls, and a caller that cannot await (a request the
+        transport answers as it reads it) which checked :meth:`inline_now` first. No yield."""
         under = self.inline_under or 0.0  # (set: the callers checked)
         now = time.monotonic()
         cpu = time.thread_time()
