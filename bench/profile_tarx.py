@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> dict:
         per = per_request(before["fuse"], after["fuse"], args.files)
         out["requests"] = per
         out["requests_per_file"] = sum(v["per_file"] for v in per.values())
+        tb = before.get("transport") or {}
+        # how the loop waited for the next request: a busy poll that found it, or epoll
+        out["waits_per_file"] = {k: round((tr.get(k, 0) - tb.get(k, 0)) / args.files, 2)
+                                 for k in ("busy_poll_hits", "busy_poll_misses", "epoll_waits")}
         out["writeback_after_tar"] = after.get("writeback", {}).get("dirty_files")
     finally:
         stop(proc, mnt, work)

@@ -368,6 +368,36 @@ def test_an_open_of_a_kept_copy_is_answered_at_once_and_sees_changes_behind_tier
         (nm.mnt / "k.jpg").read_bytes()
 
 
+def test_a_directory_changed_moments_ago_is_stat_at_once_and_forgotten_files_with_no_task(nm: Mount) -> None:
+    """The GETATTR of a directory whose names a request just changed (the kernel drops its
+    attributes at each create or unlink, and its permission check of the next one asks again)
+    is answered as the transport reads it, from that request's own fstat of the directory; the
+    FORGETs of removed files are done the same way. What the directory shows is its own."""
+    d = nm.mnt / "dir"
+    d.mkdir()
+    t0, f0 = transport_stats(nm), nm.stats()["fuse"]
+    for i in range(30):
+        (d / f"f{i}").write_bytes(b"x" * 100)
+    t1, f1 = transport_stats(nm), nm.stats()["fuse"]
+    dir_getattrs = f1["dir_getattrs_from_change"] - f0["dir_getattrs_from_change"]
+    assert dir_getattrs >= 20  # (one per create after the first)
+    assert t1["getattrs_answered_at_once"] - t0["getattrs_answered_at_once"] >= dir_getattrs
+    for i in range(0, 30, 3):
+        os.unlink(d / f"f{i}")
+        # the times the mount shows are the backing directory's, after the unlink
+        assert os.stat(d).st_mtime_ns == os.stat(nm.backing / "dir").st_mtime_ns
+    assert sorted(os.listdir(d)) == sorted(f"f{i}" for i in range(30) if i % 3)
+    inodes = nm.stats()["inodes"]
+    t2 = transport_stats(nm)
+    subprocess.run(["rm", "-rf", str(d)], check=True)
+    deadline = time.monotonic() + 10
+    while transport_stats(nm)["forgets_done_at_once"] - t2["forgets_done_at_once"] < 15:
+        assert time.monotonic() < deadline, transport_stats(nm)
+        time.sleep(0.05)
+    assert nm.stats()["inodes"] <= inodes - 15
+    assert not (nm.backing / "dir").exists()
+
+
 def test_the_fstat_right_after_an_open_is_answered_by_the_opens_own_fstat(nm: Mount) -> None:
     """Python's open() fstat-s the new descriptor, and after a read passed through to the tier
     file (which marks the atime stale in the kernel) that fstat is a GETATTR: the backing file's
@@ -582,6 +612,9 @@ class HangingFS:
 
     def getattr_now(self, inode):  # type: ignore[no-untyped-def]
         return None
+
+    def forget_now(self, inode, n):  # type: ignore[no-untyped-def]
+        return False
 
     async def flush(self, fh):  # type: ignore[no-untyped-def]
         return None

@@ -195,6 +195,9 @@ class StubHandlers:
     def release_now(self, fh):
         return False  # every release through release(), counted there
 
+    def forget_now(self, inode, n):
+        return False  # every forget through forget(), recorded there
+
     def getattr_now(self, inode):
         if inode == 666:
             raise RuntimeError("a bug in a request answered at once")

@@ -215,7 +215,7 @@ OPTIONS: tuple[Option, ...] = (
            "behind tierfs' back is then seen within attr_timeout, not at the next open. false: "
            "every open asks the daemon (passthrough of resident files; changes seen at the next "
            "open)"),
-    Option("busy_poll_us", _int_range(0, 1000), 20, "native transport: microseconds the daemon "
+    Option("busy_poll_us", _int_range(0, 1000), 50, "native transport: microseconds the daemon "
            "polls for the next request after answering one before it sleeps (as net.core.busy_poll "
            "does for sockets): a serial client's next request (rm -rf, tar -x, a stat walk) is "
            "read without a wake-up on either side. Only with 2 or more CPUs, only when nothing "
@@ -273,7 +273,7 @@ class Config:
     passthrough_misses: bool = True
     ro: bool = False
     kernel_opens: bool = True
-    busy_poll_us: int = 20
+    busy_poll_us: int = 50
     allow_other: bool | None = None  # None: auto (see effective_allow_other)
     user_hint_share: float = 0.5
     read_ahead_kb: int = 1024

@@ -409,6 +409,18 @@ class Handlers:
                 # to other requests between steps (a step costs a few ms)
                 await trio.lowlevel.checkpoint()
 
+    def forget_now(self, inode: int, n: int) -> bool:
+        """:meth:`forget` of one inode with no await, or False (then call :meth:`forget`):
+        an inode without an implicit read handle, whose forgetting is bookkeeping alone. The
+        transport does it as it reads the request, with no task: ``rm -rf`` sends one per
+        file it removes (7 us each through the handler path)."""
+        if inode in self.inode_readers:
+            return False
+        self.requests["forget"] += 1
+        with logged_errors("forget"):
+            self.inodes.forget(inode, n)
+        return True
+
     async def getattr(self, inode: int, ctx: RequestCtx | None = None) -> Attr:
         with self._op("getattr"):
             if self._is_control(inode):
@@ -422,12 +434,15 @@ class Handlers:
         """:meth:`getattr` with no await, or None (then call :meth:`getattr`): the attributes
         of a clean file that a reader's open fstat-ed moments ago
         (:meth:`~tierfs.fs.namespace.Namespace.opened_stat`), the GETATTR of the fstat that
-        follows a program's open. The transport answers it as it reads the request, with no
-        task: a small-file epoch sends one per file."""
+        follows a program's open, or of a directory whose names a request changed moments ago
+        (:meth:`~tierfs.fs.namespace.Namespace.seen_dir_stat`), the GETATTR of the permission
+        check before the next change in it. The transport answers it as it reads the request,
+        with no task: a small-file epoch sends one per file, and ``rm -rf``, ``tar -x`` and
+        ``cp -a`` one per file they remove or make."""
         entry = self.inodes.by_inode.get(inode)
         if entry is None or entry.dirty is not None or self._pending_invals or self._is_control(inode):
             return None
-        st = self.ns.opened_stat(entry)
+        st = self.ns.opened_stat(entry) if entry.regular else self.ns.seen_dir_stat(entry)
         if st is None:
             return None
         self.requests["getattr"] += 1

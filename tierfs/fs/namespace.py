@@ -296,22 +296,32 @@ class Namespace:
             return seen[1]
         return None
 
+    def seen_dir_stat(self, entry: InodeEntry) -> os.stat_result | None:
+        """The ``fstat`` of directory ``entry`` that a change of its names took moments ago
+        (:meth:`saw_dir`), given once and only while it still stands, or None."""
+        seen_dir = self._dir_seen
+        if seen_dir is None or seen_dir[0] != entry.path:
+            return None
+        self._dir_seen = None
+        ns_gen, attrs_gen = seen_dir[3]
+        if (self._ns_changing == 0 and self._attrs_changing == 0
+                and self._ns_gen == ns_gen + 1 and self._attrs_gen == attrs_gen
+                and trio.current_time() - seen_dir[1] <= LOOKED_UP_S
+                and (seen_dir[2].st_dev, seen_dir[2].st_ino) == entry.dev_ino):
+            self.dir_stats += 1
+            return seen_dir[2]
+        return None
+
     async def lstat(self, entry: InodeEntry) -> os.stat_result:
         if entry.path is None:  # unlinked but open: its descriptor knows
             fd = self.held_fd(entry)
             if fd is None:
                 raise FileNotFoundError(2, "unlinked")
             return os.fstat(fd)
-        seen_dir = self._dir_seen
-        if seen_dir is not None and seen_dir[0] == entry.path:
-            self._dir_seen = None
-            ns_gen, attrs_gen = seen_dir[3]
-            if (self._ns_changing == 0 and self._attrs_changing == 0
-                    and self._ns_gen == ns_gen + 1 and self._attrs_gen == attrs_gen
-                    and trio.current_time() - seen_dir[1] <= LOOKED_UP_S
-                    and (seen_dir[2].st_dev, seen_dir[2].st_ino) == entry.dev_ino):
-                self.dir_stats += 1
-                return seen_dir[2]
+        if self._dir_seen is not None:
+            st = self.seen_dir_stat(entry)
+            if st is not None:
+                return st
         if self._opened:
             st = self.opened_stat(entry)
             if st is not None:

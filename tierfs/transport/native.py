@@ -387,6 +387,7 @@ class NativeSession:
         self.releases_now = 0  # RELEASEs likewise (Handlers.release_now)
         self.opens_now = 0  # OPENs likewise (Handlers.open_now)
         self.getattrs_now = 0  # GETATTRs likewise (Handlers.getattr_now)
+        self.forgets_now = 0  # FORGETs done likewise (Handlers.forget_now)
 
     @property
     def passthrough(self) -> bool:
@@ -706,6 +707,9 @@ class NativeSession:
                 self.getattrs_now += 1
                 self._send(c.reply(req.unique, c.attr_out(attrs)))
                 return None
+        if op == c.FORGET and self.h.forget_now(req.nodeid, req.args["nlookup"]):
+            self.forgets_now += 1  # (no reply: FORGET has none)
+            return None
         if op == c.GETXATTR:
             err = self.h.getxattr_now(req.nodeid, req.args["name"])
             if err is not None:  # answered with no task (Handlers.getxattr_now)
@@ -1026,6 +1030,7 @@ class NativeSession:
             "releases_answered_at_once": self.releases_now,
             "opens_answered_at_once": self.opens_now,
             "getattrs_answered_at_once": self.getattrs_now,
+            "forgets_done_at_once": self.forgets_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }

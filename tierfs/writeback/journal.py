@@ -8,7 +8,7 @@ temporary file on the backing store it may have started, and whether that tempor
 complete (:class:`JState`); :mod:`tierfs.writeback.recovery` resumes from it at the next mount.
 
 Commits use WAL with ``synchronous=NORMAL``: they survive the daemon's death (the WAL is in the
-kernel's page cache) at ~30 us each. :meth:`Journal.sync` makes them survive power loss too by
+kernel's page cache) at ~7-25 us each. :meth:`Journal.sync` makes them survive power loss too by
 ``fsync``-ing the WAL file (``fsync(2)`` of a dirty file calls it): with ``synchronous=NORMAL``
 sqlite syncs the WAL before each checkpoint and the database after it, so a synced WAL holds
 every commit not yet in a synced database. It takes no lock: journal writes never wait for it.
@@ -102,6 +102,13 @@ class Journal:
         self._wal_fd = -1
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            # The daemon is the journal's only user while it runs (doctor and tierfs umount
+            # read the journals of write tiers no daemon holds, under the tier's lock): its
+            # locks are taken once and held, and the WAL index lives in its memory, not in a
+            # shared -shm file. A commit takes no fcntl lock round and no shm update then:
+            # 11.3 -> 7.1 us per row added (one connection, a RAM tier), three rows written per
+            # small file a tar -x makes. Set before WAL mode is, for the index to be private.
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(
