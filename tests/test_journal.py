@@ -46,35 +46,55 @@ def test_a_journal_with_files_of_another_backing_directory_refuses_the_claim(tmp
     j.close()
 
 
-def test_the_daemon_holds_its_journal_alone_and_a_killed_daemon_leaves_every_row(tmp_path: Path) -> None:
-    """The journal is locked for the daemon's life (``locking_mode=EXCLUSIVE``: no lock round
-    per commit, the WAL index in its memory, no -shm file): another connection is refused
-    while it is open, and the rows a daemon killed with the journal open committed are all
-    there for the next one (the WAL replayed)."""
+
+def test_another_process_opening_the_journal_never_costs_a_commit(tmp_path: Path) -> None:
+    """A program opening the journal of a running daemon (a user's ``sqlite3`` shell; ``tierfs
+    doctor`` reads it) sees its rows, and closing its connection leaves the daemon's WAL alone:
+    every row the daemon commits afterwards survives the daemon's kill -9. The daemon's
+    reserve of room once closed a descriptor of the database file after sqlite had locked it,
+    which dropped sqlite's locks: the other connection then counted itself the last one,
+    checkpointed and deleted the WAL at its close, and the daemon's later commits were lost
+    (10 of 20 rows)."""
     import sqlite3
     import subprocess
     import sys
     import textwrap
 
     path = tmp_path / "j.sqlite"
-    j = Journal(str(path))
-    j.add(j.new_id(), b"kept")
-    assert not (tmp_path / "j.sqlite-shm").exists()
-    with pytest.raises(sqlite3.OperationalError, match="locked"):
-        sqlite3.connect(path, timeout=0).execute("SELECT count(*) FROM dirty").fetchone()
-    j.close()
-    # a daemon killed with rows committed and the journal open (no close: no checkpoint)
     code = textwrap.dedent(f"""
-        import os
+        import os, sys
         from tierfs.writeback.journal import Journal
         j = Journal({str(path)!r})
-        for i in range(50):
-            j.add(j.new_id(), b"f%d" % i)
+        assert j.reserved
+        for i in range(10):
+            j.add(j.new_id(), b"a%d" % i)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        for i in range(10):
+            j.add(j.new_id(), b"b%d" % i)
+        print("done", flush=True)
+        sys.stdin.readline()
         os.kill(os.getpid(), 9)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
-    assert r.returncode == -9, r.stderr
-    assert (tmp_path / "j.sqlite-wal").stat().st_size > 0
+    daemon = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert daemon.stdout is not None and daemon.stdin is not None
+        assert daemon.stdout.readline() == "ready\n"
+        other = sqlite3.connect(path)  # read-write, as a user's shell opens it
+        assert other.execute("SELECT count(*) FROM dirty").fetchone()[0] == 10
+        other.close()
+        assert (tmp_path / "j.sqlite-wal").exists()
+        daemon.stdin.write("\n")
+        daemon.stdin.flush()
+        assert daemon.stdout.readline() == "done\n"
+        daemon.stdin.write("\n")
+        daemon.stdin.flush()
+        assert daemon.wait(timeout=60) == -9
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
     j = Journal(str(path))
-    assert sorted(row.path for row in j.rows()) == sorted([b"kept"] + [b"f%d" % i for i in range(50)])
+    assert sorted(row.path for row in j.rows()) == sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(10)])
     j.close()

@@ -8,7 +8,7 @@ temporary file on the backing store it may have started, and whether that tempor
 complete (:class:`JState`); :mod:`tierfs.writeback.recovery` resumes from it at the next mount.
 
 Commits use WAL with ``synchronous=NORMAL``: they survive the daemon's death (the WAL is in the
-kernel's page cache) at ~7-25 us each. :meth:`Journal.sync` makes them survive power loss too by
+kernel's page cache) at ~10-25 us each. :meth:`Journal.sync` makes them survive power loss too by
 ``fsync``-ing the WAL file (``fsync(2)`` of a dirty file calls it): with ``synchronous=NORMAL``
 sqlite syncs the WAL before each checkpoint and the database after it, so a synced WAL holds
 every commit not yet in a synced database. It takes no lock: journal writes never wait for it.
@@ -100,15 +100,14 @@ class Journal:
         self._reserve_sizes = tuple(int(n * scale) // 4096 * 4096 for n in (WAL_RESERVE_BYTES, DB_RESERVE_BYTES))
         self._lock = threading.Lock()
         self._wal_fd = -1
+        # descriptors of the database and its WAL opened to reserve their room, held until
+        # close: closing any descriptor of the database file would drop every POSIX lock this
+        # process holds on it, sqlite's included, and another process's connection then
+        # counted itself the last one, checkpointed and deleted the WAL at its close, so that
+        # the commits after it were lost to a kill -9 (10 of 20 rows, seen)
+        self._reserve_fds: list[int] = []
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            # The daemon is the journal's only user while it runs (doctor and tierfs umount
-            # read the journals of write tiers no daemon holds, under the tier's lock): its
-            # locks are taken once and held, and the WAL index lives in its memory, not in a
-            # shared -shm file. A commit takes no fcntl lock round and no shm update then:
-            # 11.3 -> 7.1 us per row added (one connection, a RAM tier), three rows written per
-            # small file a tar -x makes. Set before WAL mode is, for the index to be private.
-            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(
@@ -160,11 +159,9 @@ class Journal:
             except OSError:
                 ok = False
                 continue
-            try:
-                if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, n) != 0:
-                    ok = False
-            finally:
-                os.close(fd)
+            self._reserve_fds.append(fd)  # never closed before the connection (see __init__)
+            if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, n) != 0:
+                ok = False
         return ok
 
     def _exec(self, sql: str, args: tuple) -> sqlite3.Cursor:
@@ -321,6 +318,9 @@ class Journal:
                 os.close(self._wal_fd)
                 self._wal_fd = -1
             self._db.close()
+            for fd in self._reserve_fds:  # after the connection: its locks are gone with it
+                os.close(fd)
+            self._reserve_fds.clear()
 
 
 @dataclass(frozen=True)
