@@ -18,7 +18,7 @@ polling instead of sleeping (as the tierfs daemon does between requests).
 Needs root (mounts). From the repository root:
 
     sudo .venv/bin/python bench/profile_create_steps.py
-    sudo .venv/bin/python bench/profile_create_steps.py --kinds tierfs --files 5000
+    sudo .venv/bin/python bench/profile_create_steps.py --kinds tierfs --files 5000 --rounds 5
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import collections
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--kinds", default="direct,bindfs,tierfs")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tierfs-arg", action="append", default=[], dest="extra")
     args = ap.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
@@ -116,14 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         print("round trip through pipes, us (two wake-ups; one when the server polls):")
         print(f"  two CPUs: {ping_pong(cpus[1], cpus[0], False)}; one CPU: {ping_pong(cpus[0], cpus[0], False)}; "
               f"two CPUs, server polling: {ping_pong(cpus[1], cpus[0], True)}")
-    print(f"per call of a file's creation, us (mean over {args.files} files):")
-    for kind in args.kinds.split(","):
-        work = Path(tempfile.mkdtemp(prefix="create-steps-", dir="/dev/shm"))
-        try:
-            with mounted(kind, work, args.extra) as mnt:
-                print(f"  {kind}: {create_steps(mnt, args.files)}", flush=True)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    print(f"per call of a file's creation, us (mean over {args.files} files; the median of "
+          f"{args.rounds} rounds, the kinds alternated, and each round's total):")
+    kinds = args.kinds.split(",")
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            work = Path(tempfile.mkdtemp(prefix="create-steps-", dir="/dev/shm"))
+            try:
+                with mounted(kind, work, args.extra) as mnt:
+                    runs[kind].append(create_steps(mnt, args.files))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    for kind in kinds:
+        med = {k: statistics.median(r[k] for r in runs[kind]) for k in (*STEPS, "total")}
+        print(f"  {kind}: {med}; totals {[r['total'] for r in runs[kind]]}", flush=True)
     return 0
 
 
