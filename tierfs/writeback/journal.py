@@ -104,7 +104,8 @@ class Journal:
         # close: closing any descriptor of the database file would drop every POSIX lock this
         # process holds on it, sqlite's included, and another process's connection then
         # counted itself the last one, checkpointed and deleted the WAL at its close, so that
-        # the commits after it were lost to a kill -9 (10 of 20 rows, seen)
+        # the commits after it were lost to a kill -9 (10 of 20 rows, seen). (For the same
+        # reason a process must not open a second Journal on the same file and close it.)
         self._reserve_fds: list[int] = []
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
