@@ -382,6 +382,7 @@ def test_a_directory_changed_moments_ago_is_stat_at_once_and_forgotten_files_wit
     dir_getattrs = f1["dir_getattrs_from_change"] - f0["dir_getattrs_from_change"]
     assert dir_getattrs >= 20  # (one per create after the first)
     assert t1["getattrs_answered_at_once"] - t0["getattrs_answered_at_once"] >= dir_getattrs
+    tierfs_cmd("flush", str(nm.mnt))  # no write-back commits into the directory meanwhile
     for i in range(0, 30, 3):
         os.unlink(d / f"f{i}")
         # the times the mount shows are the backing directory's, after the unlink
@@ -396,6 +397,36 @@ def test_a_directory_changed_moments_ago_is_stat_at_once_and_forgotten_files_wit
         time.sleep(0.05)
     assert nm.stats()["inodes"] <= inodes - 15
     assert not (nm.backing / "dir").exists()
+
+
+def test_lookups_are_answered_at_once_and_see_the_backing_store_and_the_write_tier(nm: Mount) -> None:
+    """A LOOKUP of a clean name or of a missing one is answered as the transport reads it
+    (Handlers.lookup_now); a name a dirty file holds goes to the handler (its data file's
+    attributes). What each shows is what the name holds: a file made behind tierfs' back,
+    a file written through the mount and not yet written back, a hard link of that file, a
+    missing name, a directory."""
+    (nm.backing / "d").mkdir()
+    write_random(nm.backing / "d" / "behind", 3000, seed=3)
+    t0 = transport_stats(nm)["lookups_answered_at_once"]
+    assert os.stat(nm.mnt / "d" / "behind").st_size == 3000  # d and behind: at once
+    with pytest.raises(FileNotFoundError):
+        os.stat(nm.mnt / "d" / "missing")
+    t1 = transport_stats(nm)["lookups_answered_at_once"]
+    assert t1 - t0 >= 3
+    with open(nm.mnt / "d" / "new", "wb") as f:  # its negative lookup at once, then CREATE
+        f.write(b"n" * 5000)
+    assert transport_stats(nm)["lookups_answered_at_once"] > t1
+    assert nm.stats()["writeback"]["dirty_files"] >= 1
+    # the kernel forgets the name (drop_caches), and a lookup of it now finds a dirty file
+    subprocess.run(["sh", "-c", "echo 2 > /proc/sys/vm/drop_caches"], check=True)
+    t2 = transport_stats(nm)["lookups_answered_at_once"]
+    assert os.stat(nm.mnt / "d" / "new").st_size == 5000
+    assert (nm.mnt / "d" / "new").read_bytes() == b"n" * 5000
+    os.link(nm.backing / "d" / "behind", nm.backing / "d" / "linked")  # behind tierfs' back
+    assert os.stat(nm.mnt / "d" / "linked").st_ino == os.stat(nm.mnt / "d" / "behind").st_ino
+    assert os.stat(nm.mnt / "d").st_nlink >= 2
+    assert transport_stats(nm)["lookups_answered_at_once"] > t2  # linked, at least
+    assert sorted(os.listdir(nm.mnt / "d")) == ["behind", "linked", "new"]
 
 
 def test_the_fstat_right_after_an_open_is_answered_by_the_opens_own_fstat(nm: Mount) -> None:
@@ -615,6 +646,9 @@ class HangingFS:
 
     def forget_now(self, inode, n):  # type: ignore[no-untyped-def]
         return False
+
+    def lookup_now(self, parent, name):  # type: ignore[no-untyped-def]
+        return None
 
     async def flush(self, fh):  # type: ignore[no-untyped-def]
         return None

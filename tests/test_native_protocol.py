@@ -198,6 +198,9 @@ class StubHandlers:
     def forget_now(self, inode, n):
         return False  # every forget through forget(), recorded there
 
+    def lookup_now(self, parent, name):
+        return None  # every lookup through lookup()
+
     def getattr_now(self, inode):
         if inode == 666:
             raise RuntimeError("a bug in a request answered at once")

@@ -419,6 +419,46 @@ class Namespace:
                 return await self.dirty_attrs(entry, entry.dirty)
         return self.clean_attrs(entry, st)
 
+    def lookup_now(self, parent_inode: int, name: bytes) -> Attr | int | None:
+        """:meth:`lookup` with no await: the attributes of a clean object (one lookup added, as
+        :meth:`lookup_path` adds it), ``errno.ENOENT`` for a name the backing store does not
+        have, or None (nothing done: call :meth:`lookup`). Taken for a name of a directory with
+        a path that no dirty file holds, while backing-store metadata calls run inline (the
+        metadata device's own judgement), on a mount whose opens reach the daemon (with
+        ``kernel_opens``, an attribute reply may first have to drop the kernel's pages:
+        :meth:`clean_attrs`). ``.`` and ``..``, an error of the ``lstat`` other than a missing
+        name, and another hard link of a file being written go to :meth:`lookup`."""
+        if is_tmp_name(name):
+            return errno.ENOENT
+        parent = self.inodes.by_inode.get(parent_inode)
+        if (parent is None or parent.path is None or name == b"." or name == b".."
+                or self.on_changed_in_place is not None or not self.meta.inline_now()):
+            return None
+        path = parent.path + b"/" + name if parent.path else name
+        if self.wb.get(path) is not None:
+            return None
+        try:
+            st = self.meta.run_now(lstat_or_none, self.tree, path)
+        except OSError:  # ENOTDIR, ELOOP, EXDEV (a directory on the way swapped): lookup maps it
+            return None
+        if st is None:
+            return errno.ENOENT
+        known = self.inodes.by_dev_ino.get((st.st_dev, st.st_ino))
+        if known is not None and known.dirty is not None and known.dirty.state.value != "clean":
+            return None  # another hard link of a file being written: its data file's attributes
+        entry = self.inodes.remember(path, st)
+        if entry.dirty is not None and entry.dirty.state.value == "clean":
+            entry.dirty = None
+        if entry.dirty is not None:  # (cannot be: checked above) undone, for lookup to redo
+            entry.lookups -= 1
+            return None
+        if stat.S_ISREG(st.st_mode):
+            self._looked_up[path] = (trio.current_time(), st)
+            self._looked_up.move_to_end(path)
+            if len(self._looked_up) > LOOKED_UP_MAX:
+                self._looked_up.popitem(last=False)
+        return self.clean_attrs(entry, st)
+
     async def lookup(self, parent_inode: int, name: bytes) -> Attr:
         """``name`` in a directory of the backing tree (not the control directory)."""
         if is_tmp_name(name):

@@ -388,6 +388,7 @@ class NativeSession:
         self.opens_now = 0  # OPENs likewise (Handlers.open_now)
         self.getattrs_now = 0  # GETATTRs likewise (Handlers.getattr_now)
         self.forgets_now = 0  # FORGETs done likewise (Handlers.forget_now)
+        self.lookups_now = 0  # LOOKUPs answered likewise (Handlers.lookup_now)
 
     @property
     def passthrough(self) -> bool:
@@ -706,6 +707,18 @@ class NativeSession:
             if attrs is not None:  # from the open's fstat, with no task (Handlers.getattr_now)
                 self.getattrs_now += 1
                 self._send(c.reply(req.unique, c.attr_out(attrs)))
+                return None
+        if op == c.LOOKUP:
+            got = self.h.lookup_now(req.nodeid, req.args["name"])
+            if got is not None:  # answered with no task (Handlers.lookup_now)
+                self.lookups_now += 1
+                if isinstance(got, int):
+                    self._send(c.error_reply(req.unique, got))
+                elif not self._send(c.reply(req.unique, c.entry_out(got))):
+                    # the kernel did not take it (its caller was killed): the lookup it counted
+                    # is given back (at once: lookups are not answered so where an inode may
+                    # hold an implicit read handle, which forget_now leaves to forget)
+                    self.h.forget_now(got.st_ino, 1)
                 return None
         if op == c.FORGET and self.h.forget_now(req.nodeid, req.args["nlookup"]):
             self.forgets_now += 1  # (no reply: FORGET has none)
@@ -1031,6 +1044,7 @@ class NativeSession:
             "opens_answered_at_once": self.opens_now,
             "getattrs_answered_at_once": self.getattrs_now,
             "forgets_done_at_once": self.forgets_now,
+            "lookups_answered_at_once": self.lookups_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
