@@ -407,11 +407,7 @@ class Namespace:
         if st is None:
             st = await self.meta.run(self.tree.lstat, path)
         entry = self.inodes.remember(path, st)
-        if stat.S_ISREG(st.st_mode):
-            self._looked_up[path] = (trio.current_time(), st)
-            self._looked_up.move_to_end(path)
-            if len(self._looked_up) > LOOKED_UP_MAX:
-                self._looked_up.popitem(last=False)
+        self._saw_looked_up(path, st)
         if entry.dirty is not None and entry.dirty.state.value == "clean":
             entry.dirty = None
         if entry.dirty is not None:  # another hard link of a file being written
@@ -434,7 +430,7 @@ class Namespace:
         if (parent is None or parent.path is None or name == b"." or name == b".."
                 or self.on_changed_in_place is not None or not self.meta.inline_now()):
             return None
-        path = parent.path + b"/" + name if parent.path else name
+        path = self.inodes.child_path(parent, name)
         if self.wb.get(path) is not None:
             return None
         try:
@@ -452,12 +448,17 @@ class Namespace:
         if entry.dirty is not None:  # (cannot be: checked above) undone, for lookup to redo
             entry.lookups -= 1
             return None
+        self._saw_looked_up(path, st)
+        return self.clean_attrs(entry, st)
+
+    def _saw_looked_up(self, path: bytes, st: os.stat_result) -> None:
+        """A lookup's ``lstat`` of ``path``: kept a moment for an open that follows (a regular
+        file's)."""
         if stat.S_ISREG(st.st_mode):
             self._looked_up[path] = (trio.current_time(), st)
             self._looked_up.move_to_end(path)
             if len(self._looked_up) > LOOKED_UP_MAX:
                 self._looked_up.popitem(last=False)
-        return self.clean_attrs(entry, st)
 
     async def lookup(self, parent_inode: int, name: bytes) -> Attr:
         """``name`` in a directory of the backing tree (not the control directory)."""
