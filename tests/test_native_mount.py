@@ -429,6 +429,52 @@ def test_lookups_are_answered_at_once_and_see_the_backing_store_and_the_write_ti
     assert sorted(os.listdir(nm.mnt / "d")) == ["behind", "linked", "new"]
 
 
+def test_attribute_changes_of_a_file_being_written_are_answered_at_once_and_reach_the_backing_store(
+        nm: Mount) -> None:
+    """The chown, chmod and futimens that tar -x makes on each file it creates, while the file
+    is dirty in the write tier, are answered as the transport reads them (Handlers.setattr_now):
+    each shows at once through the mount, through the descriptor still open and after the
+    kernel forgets the name, and the write-back carries them to the backing file, the atime
+    too (the daemon's reads of the data file once set it to now). A change of one time keeps
+    the other; a mode with set-ID bits and a truncate go to the handler and are still right."""
+    t0 = transport_stats(nm)["setattrs_answered_at_once"]
+    p = nm.mnt / "f"
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"x" * 5000)
+        os.fchown(fd, 1234, 5678)
+        os.fchmod(fd, 0o640)
+        os.utime(fd, ns=(1_000_000_000_123, 2_000_000_000_456))
+        st = os.fstat(fd)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1234, 5678, 0o640)
+        assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000_123, 2_000_000_000_456)
+    finally:
+        os.close(fd)
+    assert transport_stats(nm)["setattrs_answered_at_once"] - t0 == 3
+    # only the mtime (touch -m: atime UTIME_OMIT), then only the atime: the other one is kept
+    subprocess.run(["touch", "-m", "-d", "@3000", str(p)], check=True)
+    subprocess.run(["touch", "-a", "-d", "@4000", str(p)], check=True)
+    assert transport_stats(nm)["setattrs_answered_at_once"] - t0 == 5
+    subprocess.run(["sh", "-c", "echo 2 > /proc/sys/vm/drop_caches"], check=True)
+    st = os.stat(p)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777, st.st_size) == (1234, 5678, 0o640, 5000)
+    assert (st.st_mtime, st.st_atime) == (3000, 4000)
+    # set-ID bits and a truncate: through the handler, right all the same
+    os.chmod(p, 0o4750)
+    os.truncate(p, 100)
+    assert transport_stats(nm)["setattrs_answered_at_once"] - t0 == 5
+    assert os.stat(p).st_mode & 0o7777 == 0o4750 and os.stat(p).st_size == 100
+    tierfs_cmd("flush", str(nm.mnt))
+    b = os.stat(nm.backing / "f")
+    assert (b.st_uid, b.st_gid, b.st_mode & 0o7777, b.st_size) == (1234, 5678, 0o4750, 100)
+    assert b.st_atime == 4000  # the write-back's own reads of the data file leave its atime
+    # written back (clean): a change goes to the handler and reaches the backing file itself
+    t1 = transport_stats(nm)["setattrs_answered_at_once"]
+    os.chmod(p, 0o644)
+    assert os.stat(nm.backing / "f").st_mode & 0o7777 == 0o644
+    assert transport_stats(nm)["setattrs_answered_at_once"] == t1
+
+
 def test_the_fstat_right_after_an_open_is_answered_by_the_opens_own_fstat(nm: Mount) -> None:
     """Python's open() fstat-s the new descriptor, and after a read passed through to the tier
     file (which marks the atime stale in the kernel) that fstat is a GETATTR: the backing file's
@@ -648,6 +694,9 @@ class HangingFS:
         return False
 
     def lookup_now(self, parent, name):  # type: ignore[no-untyped-def]
+        return None
+
+    def setattr_now(self, inode, attr):  # type: ignore[no-untyped-def]
         return None
 
     async def flush(self, fh):  # type: ignore[no-untyped-def]

@@ -201,6 +201,9 @@ class StubHandlers:
     def lookup_now(self, parent, name):
         return None  # every lookup through lookup()
 
+    def setattr_now(self, inode, attr):
+        return None  # every setattr through setattr()
+
     def getattr_now(self, inode):
         if inode == 666:
             raise RuntimeError("a bug in a request answered at once")

@@ -631,6 +631,35 @@ class Handlers:
                 self._suid_watch[inode] = (a.st_size, a.st_mtime_ns)
             return a
 
+    def setattr_now(self, inode: int, attr: SetAttr) -> Attr | int | None:
+        """:meth:`setattr` with no await: the attributes after, an errno, or None (nothing
+        done; then call :meth:`setattr`). A change of mode, owner or times of a file being
+        written in the write tier (:meth:`Namespace.setattr_now`): the ``fchown``, ``fchmod``
+        and ``futimens`` that ``tar -x`` and ``cp -a`` make on each file they create. Never a
+        truncate, a change that drops or sets set-user/group-ID bits (the handler's rule for
+        dropping them, its watches of passthrough writers), a control file, or while
+        invalidations wait to be sent."""
+        if attr.size is not None or (attr.mode is not None and attr.mode & _SUIDGID):
+            return None
+        entry = self.inodes.by_inode.get(inode)
+        if entry is None or entry.dirty is None or self._pending_invals or self._is_control(inode):
+            return None
+        ns = self.ns
+        ns.begin_change()
+        ns.begin_attrs_change()
+        try:
+            a = ns.setattr_now(entry, attr)
+        except OSError as e:
+            self.requests["setattr"] += 1
+            return e.errno or errno.EIO
+        finally:
+            ns.end_attrs_change()
+            ns.end_change()
+        if a is None:
+            return None
+        self.requests["setattr"] += 1
+        return a
+
     async def _watch_setid(self, h: FileHandle, entry: InodeEntry) -> None:
         """After a writable lease of user handle ``h``: a user's writes through the kernel never
         reach the daemon, so the set-ID bits of a set-ID file go at the writer's flush or close

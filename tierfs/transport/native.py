@@ -389,6 +389,7 @@ class NativeSession:
         self.getattrs_now = 0  # GETATTRs likewise (Handlers.getattr_now)
         self.forgets_now = 0  # FORGETs done likewise (Handlers.forget_now)
         self.lookups_now = 0  # LOOKUPs answered likewise (Handlers.lookup_now)
+        self.setattrs_now = 0  # SETATTRs answered likewise (Handlers.setattr_now)
 
     @property
     def passthrough(self) -> bool:
@@ -729,6 +730,13 @@ class NativeSession:
                 self.getxattrs_now += 1
                 self._send(c.error_reply(req.unique, err))
                 return None
+        if op == c.SETATTR:
+            got = self.h.setattr_now(req.nodeid, _set_attr(req.args))
+            if got is not None:  # a file being written: answered with no task (Handlers.setattr_now)
+                self.setattrs_now += 1
+                self._send(c.error_reply(req.unique, got) if isinstance(got, int)
+                           else c.reply(req.unique, c.attr_out(got)))
+                return None
         if op == c.OPEN and self.pt is not None and self.clean_passthrough and self._open_now(req):
             return None  # a kept tier copy, answered with no task (Handlers.open_now)
         handler = _HANDLERS.get(op)
@@ -1012,16 +1020,8 @@ class NativeSession:
     async def op_setattr(self, req: c.Request) -> bytes:
         a = req.args
         v = a["valid"]
-        now = time.time_ns()
-        sa = SetAttr(
-            size=a["size"] if v & c.FATTR_SIZE else None,
-            mode=a["mode"] if v & c.FATTR_MODE else None,
-            uid=a["uid"] if v & c.FATTR_UID else None,
-            gid=a["gid"] if v & c.FATTR_GID else None,
-            atime_ns=(now if v & c.FATTR_ATIME_NOW else a["atime_ns"]) if v & c.FATTR_ATIME else None,
-            mtime_ns=(now if v & c.FATTR_MTIME_NOW else a["mtime_ns"]) if v & c.FATTR_MTIME else None,
-            kill_suidgid=bool(v & c.FATTR_KILL_SUIDGID))
-        attrs = await self.h.setattr(req.nodeid, sa, a["fh"] if v & c.FATTR_FH else None, self.ctx(req))
+        attrs = await self.h.setattr(req.nodeid, _set_attr(a), a["fh"] if v & c.FATTR_FH else None,
+                                     self.ctx(req))
         return c.attr_out(attrs)
 
     def statistics(self) -> dict[str, Any]:
@@ -1045,6 +1045,7 @@ class NativeSession:
             "getattrs_answered_at_once": self.getattrs_now,
             "forgets_done_at_once": self.forgets_now,
             "lookups_answered_at_once": self.lookups_now,
+            "setattrs_answered_at_once": self.setattrs_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
         }
@@ -1120,6 +1121,20 @@ async def _forget(s: NativeSession, r: c.Request) -> None:
 
 # Answered ENOSYS on a mount whose opens the kernel answers: it then stops sending them
 _KERNEL_ANSWERS = frozenset({c.OPEN, c.FLUSH, c.FSYNC})
+def _set_attr(a: dict[str, Any]) -> SetAttr:
+    """The :class:`SetAttr` of a SETATTR's arguments (``FATTR_*_NOW`` resolved to now)."""
+    v = a["valid"]
+    now = time.time_ns()
+    return SetAttr(
+        size=a["size"] if v & c.FATTR_SIZE else None,
+        mode=a["mode"] if v & c.FATTR_MODE else None,
+        uid=a["uid"] if v & c.FATTR_UID else None,
+        gid=a["gid"] if v & c.FATTR_GID else None,
+        atime_ns=(now if v & c.FATTR_ATIME_NOW else a["atime_ns"]) if v & c.FATTR_ATIME else None,
+        mtime_ns=(now if v & c.FATTR_MTIME_NOW else a["mtime_ns"]) if v & c.FATTR_MTIME else None,
+        kill_suidgid=bool(v & c.FATTR_KILL_SUIDGID))
+
+
 # Requests that change a file or directory: EROFS on a read-only mount
 _CHANGES = frozenset({c.SETATTR, c.SYMLINK, c.MKNOD, c.MKDIR, c.UNLINK, c.RMDIR, c.RENAME, c.RENAME2,
                       c.LINK, c.CREATE, c.WRITE, c.SETXATTR, c.REMOVEXATTR, c.FALLOCATE, c.TMPFILE})

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import logging
 import math
@@ -255,6 +256,25 @@ class _Gate:
         self.wb._leave(self.df)
 
 
+def _apply_attrs(fd: int, mode: int | None, uid: int | None, gid: int | None,
+                 times: tuple[int, int] | None) -> None:
+    """Set what a SETATTR changes on data file ``fd``; None = left alone. Blocking (an
+    attribute call: inline or a device thread). Owner first: a chown clears set-user/group-ID,
+    a mode given with it is kept (as a local filesystem does for one setattr carrying both)."""
+    if uid is not None or gid is not None:
+        os.fchown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
+    if mode is not None:
+        os.fchmod(fd, mode & 0o7777)
+    if times is not None:
+        os.utime(fd, ns=times)
+
+
+# The states in which an attribute change is made with no await (WriteBack.set_attrs_now): the
+# bytes are in the write tier's data file, which the change reaches, and a write-back in flight
+# sees the new generation; the others switch or commit the fd (their gate) or hold no changes
+_SET_NOW_STATES = frozenset({DirtyState.DIRTY, DirtyState.WRITING})
+
+
 def _copy_piece(src: int, offset: int, length: int, route: object, dst: int) -> int:
     """Copy ``[offset, offset+length)`` of ``src`` to the same offsets of ``dst`` in the
     kernel; the bytes copied. Blocking (a device thread)."""
@@ -406,14 +426,28 @@ QUARANTINE_LISTED = 20  # paths listed in the statistics (the journal keeps ever
 
 
 # -- blocking helpers (device threads) ---------------------------------------------------------
+def _no_atime(fd: int) -> None:
+    """Set O_NOATIME on data file ``fd`` where the daemon may (it owns the file or has
+    CAP_FOWNER; else EPERM, left as it is: only the atime is at stake), as
+    :func:`_create_data_file` opens it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NOATIME)
+    except OSError:
+        pass
+
+
 def _create_data_file(dir_fd: int, name: str, mode: int, uid: int, gid: int,
                       times: tuple[int, int] | None) -> int:
     # ``name`` in the private dirty/ directory ``dir_fd`` (WriteBack.dirty_fd); O_EXCL|O_NOFOLLOW:
     # never a name someone planted (ids are unique; recovery removes debris). Its mode is set
     # below in any case: no fchmod to 0600 first, as private.create_path does (a syscall per
     # created file, with the walk of a /proc path: ~10 us of a CREATE's daemon time)
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, private.FILE_MODE,
-                 dir_fd=dir_fd)
+    # O_NOATIME: the daemon's own reads of it (its write-back's copy, a read served from it)
+    # must not set its atime to now (relatime: an atime set before the ctime is older than
+    # it), which the write-back then gave the backing file (a tar -x's or a touch -a's atime
+    # was lost). The daemon owns the file when it opens it, which the flag needs.
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOATIME,
+                 private.FILE_MODE, dir_fd=dir_fd)
     try:
         os.fchown(fd, uid, gid)  # owner first: a chown clears setuid/setgid set before it
         os.fchmod(fd, mode & 0o7777)
@@ -999,6 +1033,10 @@ class WriteBack:
     async def stat(self, df: DirtyFile) -> os.stat_result:
         """The dirty file's attributes: the data file's own (size and mtime are right at once
         also while passthrough writers write it). fstat of an open fd: no I/O."""
+        return self.stat_now(df)
+
+    def stat_now(self, df: DirtyFile) -> os.stat_result:
+        """:meth:`stat`, which never awaits (for callers that cannot)."""
         st = os.fstat(df.fd)
         if df.lease_writers and not df.through:
             self._absorb(df, st)
@@ -1014,19 +1052,24 @@ class WriteBack:
     @_pins_df
     async def set_attrs(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
                         gid: int | None = None, times: tuple[int, int] | None = None) -> None:
-        def apply(fd: int) -> None:
-            # owner first: a chown clears setuid/setgid, a mode given with it is kept (as a
-            # local filesystem does for one setattr carrying both)
-            if uid is not None or gid is not None:
-                os.fchown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
-            if mode is not None:
-                os.fchmod(fd, mode & 0o7777)
-            if times is not None:
-                os.utime(fd, ns=times)
-
         async with self._gate(df):
             df.touch()
-            await self.attr_device.run(apply, df.fd)
+            await self.attr_device.run(_apply_attrs, df.fd, mode, uid, gid, times)
+
+    def set_attrs_now(self, df: DirtyFile, *, mode: int | None = None, uid: int | None = None,
+                      gid: int | None = None, times: tuple[int, int] | None = None) -> bool:
+        """:meth:`set_attrs` with no await, or False (nothing done; then await
+        :meth:`set_attrs`): only for a file being written in the write tier (``DIRTY`` or
+        ``WRITING``: a write-back in flight sees the new generation), its fd gate free
+        (nothing holds it exclusively) and attribute calls running inline now
+        (:meth:`Device.inline_now`). With no await nothing can close the fd meanwhile, so
+        neither a pin nor a count in the gate is needed. Raises OSError as the calls do."""
+        if (df.fd < 0 or df.excl is not None or df.state not in _SET_NOW_STATES
+                or not self.attr_device.inline_now()):
+            return False
+        df.touch()
+        self.attr_device.run_now(_apply_attrs, df.fd, mode, uid, gid, times)
+        return True
 
     @_pins_df
     async def xattr(self, df: DirtyFile, fn: Callable[[int], object]) -> object:
@@ -1730,8 +1773,10 @@ class WriteBack:
         """A journaled data file, opened again at recovery: only a regular file of the
         daemon's user with one link, never through a symlink (:func:`tierfs.private.open_file`).
         Raises OSError (recovery then quarantines the row)."""
-        return await self.device.run(partial(private.open_file, self.dirty_fd, os.path.basename(data_path),
-                                             os.O_RDWR, create=False, attrs=False))
+        fd: int = await self.device.run(partial(private.open_file, self.dirty_fd, os.path.basename(data_path),
+                                                os.O_RDWR, create=False, attrs=False))
+        _no_atime(fd)
+        return fd
 
     async def recover(self) -> int:
         """Resume after a crash (see :mod:`tierfs.writeback.recovery`). Returns the number of
