@@ -800,6 +800,9 @@ class Namespace:
         df = entry.dirty
         if df is None or attr.size is not None or df.in_place or df.fd < 0:
             return None
+        if attr.mode is None and attr.uid is None and attr.gid is None and attr.atime_ns is None \
+                and attr.mtime_ns is None:
+            return None  # (nothing to set: the handler's path starts no new generation for it)
         cur = None
         if attr.kill_suidgid:
             # (the kernel asks it with every chown: FUSE_HANDLE_KILLPRIV_V2) nothing to drop

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import math
@@ -426,28 +425,14 @@ QUARANTINE_LISTED = 20  # paths listed in the statistics (the journal keeps ever
 
 
 # -- blocking helpers (device threads) ---------------------------------------------------------
-def _no_atime(fd: int) -> None:
-    """Set O_NOATIME on data file ``fd`` where the daemon may (it owns the file or has
-    CAP_FOWNER; else EPERM, left as it is: only the atime is at stake), as
-    :func:`_create_data_file` opens it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NOATIME)
-    except OSError:
-        pass
-
-
 def _create_data_file(dir_fd: int, name: str, mode: int, uid: int, gid: int,
                       times: tuple[int, int] | None) -> int:
     # ``name`` in the private dirty/ directory ``dir_fd`` (WriteBack.dirty_fd); O_EXCL|O_NOFOLLOW:
     # never a name someone planted (ids are unique; recovery removes debris). Its mode is set
     # below in any case: no fchmod to 0600 first, as private.create_path does (a syscall per
     # created file, with the walk of a /proc path: ~10 us of a CREATE's daemon time)
-    # O_NOATIME: the daemon's own reads of it (its write-back's copy, a read served from it)
-    # must not set its atime to now (relatime: an atime set before the ctime is older than
-    # it), which the write-back then gave the backing file (a tar -x's or a touch -a's atime
-    # was lost). The daemon owns the file when it opens it, which the flag needs.
-    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOATIME,
-                 private.FILE_MODE, dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, private.FILE_MODE,
+                 dir_fd=dir_fd)
     try:
         os.fchown(fd, uid, gid)  # owner first: a chown clears setuid/setgid set before it
         os.fchmod(fd, mode & 0o7777)
@@ -1773,10 +1758,8 @@ class WriteBack:
         """A journaled data file, opened again at recovery: only a regular file of the
         daemon's user with one link, never through a symlink (:func:`tierfs.private.open_file`).
         Raises OSError (recovery then quarantines the row)."""
-        fd: int = await self.device.run(partial(private.open_file, self.dirty_fd, os.path.basename(data_path),
-                                                os.O_RDWR, create=False, attrs=False))
-        _no_atime(fd)
-        return fd
+        return await self.device.run(partial(private.open_file, self.dirty_fd, os.path.basename(data_path),
+                                             os.O_RDWR, create=False, attrs=False))
 
     async def recover(self) -> int:
         """Resume after a crash (see :mod:`tierfs.writeback.recovery`). Returns the number of
