@@ -639,7 +639,7 @@ class Handlers:
         truncate, a change that drops or sets set-user/group-ID bits (the handler's rule for
         dropping them, its watches of passthrough writers), a control file, or while
         invalidations wait to be sent."""
-        if attr.size is not None or (attr.mode is not None and attr.mode & _SUIDGID):
+        if attr.mode is not None and attr.mode & _SUIDGID:  # (a size: Namespace.setattr_now)
             return None
         entry = self.inodes.by_inode.get(inode)
         if entry is None or entry.dirty is None or self._pending_invals or self._is_control(inode):

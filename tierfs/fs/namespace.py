@@ -103,6 +103,13 @@ def _rmdir_with_orphans(tree: BackingTree, rel: bytes) -> None:
         tree.rmdir(rel)
 
 
+def _times(attr: SetAttr, cur: Attr | os.stat_result) -> tuple[int, int]:
+    """(atime_ns, mtime_ns) a SETATTR that sets one or both times leaves: the one it does not
+    set is ``cur``'s (the file's attributes now)."""
+    return (cur.st_atime_ns if attr.atime_ns is None else attr.atime_ns,
+            cur.st_mtime_ns if attr.mtime_ns is None else attr.mtime_ns)
+
+
 def _setattr_backing(tree: BackingTree, rel: bytes, mode: int | None, uid: int | None,
                      gid: int | None, times: tuple[int, int] | None) -> None:
     """chmod / chown / utime of a clean backing object, each on the object itself (never
@@ -768,9 +775,7 @@ class Namespace:
             await self.wb.truncate(df, attr.size)
         times = None
         if attr.atime_ns is not None or attr.mtime_ns is not None:
-            cur = await self.entry_attrs(entry)
-            times = (cur.st_atime_ns if attr.atime_ns is None else attr.atime_ns,
-                     cur.st_mtime_ns if attr.mtime_ns is None else attr.mtime_ns)
+            times = _times(attr, await self.entry_attrs(entry))
         mode, uid, gid = attr.mode, attr.uid, attr.gid
         if mode is not None or uid is not None or gid is not None or times is not None:
             if entry.dirty is None and entry.path is None and entry.regular:
@@ -794,9 +799,10 @@ class Namespace:
         """:meth:`setattr` of a file being written in the write tier, with no await: its
         attributes after, or None (nothing done; then await :meth:`setattr`). Only a change of
         mode, owner or times (no size), of a dirty file not written back in place and with no
-        set-ID bit to drop (``kill_suidgid``), that the write-back layer makes now (:meth:`WriteBack.set_attrs_now`). ``tar -x`` and ``cp -a``
-        send three per file they make (a chown, a chmod, the times), each ~25 us of the daemon's
-        time through a handler. Raises OSError as the calls do."""
+        set-ID bit to drop (``kill_suidgid``), that the write-back layer makes now
+        (:meth:`WriteBack.set_attrs_now`). ``tar -x`` and ``cp -a`` send three per file they
+        make (a chown, a chmod, the times), each ~25 us of the daemon's time through a handler.
+        Raises OSError as the calls do."""
         df = entry.dirty
         if df is None or attr.size is not None or df.in_place or df.fd < 0:
             return None
@@ -811,13 +817,10 @@ class Namespace:
             if cur.st_mode & (stat.S_ISUID | stat.S_ISGID):
                 return None
         times = None
-        if attr.atime_ns is not None or attr.mtime_ns is not None:
-            if attr.atime_ns is None or attr.mtime_ns is None:
-                cur = cur or self.wb.stat_now(df)
-                times = (cur.st_atime_ns if attr.atime_ns is None else attr.atime_ns,
-                         cur.st_mtime_ns if attr.mtime_ns is None else attr.mtime_ns)
-            else:
-                times = (attr.atime_ns, attr.mtime_ns)
+        if attr.atime_ns is not None and attr.mtime_ns is not None:  # (futimens: no fstat)
+            times = (attr.atime_ns, attr.mtime_ns)
+        elif attr.atime_ns is not None or attr.mtime_ns is not None:
+            times = _times(attr, cur or self.wb.stat_now(df))
         if not self.wb.set_attrs_now(df, mode=attr.mode, uid=attr.uid, gid=attr.gid, times=times):
             return None
         entry.told = None  # (as dirty_attrs: a data file's attributes)

@@ -1121,6 +1121,8 @@ async def _forget(s: NativeSession, r: c.Request) -> None:
 
 # Answered ENOSYS on a mount whose opens the kernel answers: it then stops sending them
 _KERNEL_ANSWERS = frozenset({c.OPEN, c.FLUSH, c.FSYNC})
+
+
 def _set_attr(a: dict[str, Any]) -> SetAttr:
     """The :class:`SetAttr` of a SETATTR's arguments (``FATTR_*_NOW`` resolved to now)."""
     v = a["valid"]
