@@ -164,13 +164,23 @@ def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
     sync_range(dst, offset, length)
 
 
-def _finish_tmp(tmp_fd: int, src_fd: int, size: int) -> None:
-    """Size, attributes and xattrs of the data file onto the temporary file; fsync; close."""
+def atime_before_copy(fd: int) -> int:
+    """The atime (ns) of the data file ``fd`` as the mount shows it, taken before a write-back
+    reads it: that read renews it (relatime renews an atime older than the ctime, and the
+    ``utime`` that set it, as ``tar -x``, ``cp -a`` and ``touch -a`` do, moved the ctime), so
+    the atime an ``fstat`` after the copy sees is the write-back's own. An ``fstat`` of an open
+    descriptor: no I/O."""
+    return os.fstat(fd).st_atime_ns
+
+
+def _finish_tmp(tmp_fd: int, src_fd: int, size: int, atime_ns: int) -> None:
+    """Size, attributes and xattrs of the data file onto the temporary file, with the atime
+    ``atime_ns`` (:func:`atime_before_copy`); fsync; close."""
     try:
         os.ftruncate(tmp_fd, size)
         if src_fd != tmp_fd:
             st = _finish_attrs_only(tmp_fd, src_fd)
-            os.utime(tmp_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+            os.utime(tmp_fd, ns=(atime_ns, st.st_mtime_ns))
         os.fsync(tmp_fd)
     finally:
         if src_fd != tmp_fd:
@@ -183,23 +193,27 @@ def _copy_small(tmp_fd: int, src_fd: int, size: int, limit: int) -> int:
     :func:`_size_tmp`, :func:`_copy_data` (durable), :func:`_finish_tmp` (attributes, fsync,
     close). ``tmp_fd`` is closed whatever happens. Returns the bytes of data copied."""
     try:
+        atime_ns = atime_before_copy(src_fd)
         os.ftruncate(tmp_fd, size)
         _, copied = _copy_data(src_fd, tmp_fd, 0, size, limit, True)
     except BaseException:
         os.close(tmp_fd)
         raise
-    _finish_tmp(tmp_fd, src_fd, size)
+    _finish_tmp(tmp_fd, src_fd, size, atime_ns)
     return copied
 
 
-def _finish_in_place(dst: int, src: int, size: int) -> os.stat_result:
+def _finish_in_place(dst: int, src: int, size: int, atime_ns: int) -> os.stat_result:
+    """Size, mode, xattrs and times of the data file ``src`` onto the backing file ``dst`` it
+    was copied into (a hard-linked file), with the atime ``atime_ns``
+    (:func:`atime_before_copy`); fsync. Returns ``dst``'s stat."""
     os.ftruncate(dst, size)
     st = os.fstat(src)
     os.fchmod(dst, st.st_mode & 0o7777)
     # after the data (a write drops the inode's capabilities) and the chmod: the xattrs the
     # file has through the mount, and no others of those names
     _copy_xattrs(src, dst, caps=True, exact=True)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(dst, ns=(atime_ns, st.st_mtime_ns))
     os.fsync(dst)
     return os.fstat(dst)
 

@@ -29,6 +29,7 @@ from tierfs.writeback.backing_ops import (
     _finish_tmp,
     _parent,
     _size_tmp,
+    atime_before_copy,
 )
 from tierfs.writeback.group import gather, write_back_group
 from tierfs.writeback.journal import JState
@@ -141,12 +142,13 @@ async def _write_back_dirty(wb: WriteBack, df: DirtyFile) -> None:
                 wb._check(df, gen)
             else:
                 try:
+                    atime_ns = atime_before_copy(df.fd)
                     copied = await _copy_slices(wb, df, gen, out)
                     wb._check(df, gen)
                 except BaseException:
                     os.close(out)
                     raise
-                await wb._io(df, partial(_finish_tmp, out, df.fd, df.size), 0)
+                await wb._io(df, partial(_finish_tmp, out, df.fd, df.size, atime_ns), 0)
             async with df.commit_lock:
                 if df.pt_written:
                     wb._absorb(df)
@@ -269,8 +271,9 @@ async def _write_in_place(wb: WriteBack, df: DirtyFile, gen: int) -> tuple[os.st
     assert df.path is not None
     out = cast("int", await wb._io(df, partial(_open_in_place, wb, df), 0))
     try:
+        atime_ns = atime_before_copy(df.fd)
         copied = await _copy_slices(wb, df, gen, out, in_place=True)
-        st = await wb._io(df, partial(_finish_in_place, out, df.fd, df.size), 0)
+        st = await wb._io(df, partial(_finish_in_place, out, df.fd, df.size, atime_ns), 0)
     finally:
         os.close(out)
     return cast("os.stat_result", st), copied
