@@ -399,6 +399,45 @@ def test_a_directory_changed_moments_ago_is_stat_at_once_and_forgotten_files_wit
     assert not (nm.backing / "dir").exists()
 
 
+def test_unlinks_of_clean_names_are_answered_at_once_and_kept_files_go_to_the_handler(nm: Mount) -> None:
+    """An UNLINK of a clean name no handle holds is done as the transport reads it
+    (Handlers.unlink_now); a file a process holds open goes to the handler, which keeps it
+    readable through its descriptor. A hard link unlinked at once leaves the other name whole,
+    and the directory shows its backing times after. A file just written through the mount
+    (dirty, or written back meanwhile) is gone for good once unlinked, through either path."""
+    d = nm.backing / "u"
+    d.mkdir()
+    (d / "sub").mkdir()
+    data = {name: write_random(d / name, 4000, seed=k) for k, name in enumerate(("a", "b", "held"))}
+    os.link(d / "a", d / "a2")
+    m = nm.mnt / "u"
+    assert sorted(os.listdir(m)) == ["a", "a2", "b", "held", "sub"]
+    t0 = transport_stats(nm)["unlinks_answered_at_once"]
+    os.unlink(m / "a")
+    os.unlink(m / "b")
+    with pytest.raises(FileNotFoundError):
+        os.unlink(m / "missing")
+    with pytest.raises(IsADirectoryError):
+        os.unlink(m / "sub")
+    t1 = transport_stats(nm)["unlinks_answered_at_once"]
+    assert t1 - t0 == 2  # (the kernel answers the two errors itself: a negative lookup, a directory)
+    assert not (d / "a").exists() and not (d / "b").exists() and (d / "sub").is_dir()
+    assert (m / "a2").read_bytes() == data["a"] and os.stat(m / "a2").st_nlink == 1
+    assert os.stat(m).st_mtime_ns == os.stat(d).st_mtime_ns
+    with open(m / "held", "rb") as held:
+        os.unlink(m / "held")
+        assert transport_stats(nm)["unlinks_answered_at_once"] == t1  # through the handler
+        assert held.read() == data["held"]  # the unlinked file stays readable while held
+    for i in range(5):
+        with open(m / f"new{i}", "wb") as f:
+            f.write(b"d" * 3000)
+        os.unlink(m / f"new{i}")
+    assert sorted(os.listdir(m)) == ["a2", "sub"]
+    tierfs_cmd("flush", str(nm.mnt))
+    assert sorted(os.listdir(d)) == ["a2", "sub"]
+    assert sorted(os.listdir(m)) == ["a2", "sub"]
+
+
 def test_lookups_are_answered_at_once_and_see_the_backing_store_and_the_write_tier(nm: Mount) -> None:
     """A LOOKUP of a clean name or of a missing one is answered as the transport reads it
     (Handlers.lookup_now); a name a dirty file holds goes to the handler (its data file's

@@ -608,6 +608,23 @@ class Handlers:
         with self._op("unlink"):
             await self.ns.unlink(parent_inode, name)
 
+    def unlink_now(self, parent_inode: int, name: bytes) -> int | None:
+        """:meth:`unlink` with no await: 0 (done), an errno, or None (nothing done; then call
+        :meth:`unlink`). A clean name nothing keeps (:meth:`Namespace.unlink_now_path`). The
+        transport answers it as it reads the request, with no task: ``rm -rf`` sends one per
+        file."""
+        if self._pending_invals:
+            return None
+        path = self.ns.unlink_now_path(parent_inode, name)
+        if path is None:
+            return None
+        try:
+            with self._op("unlink"):
+                self.ns.unlink_now(path)
+        except FuseError as e:
+            return e.errno
+        return 0
+
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: RequestCtx | None = None) -> None:
         with self._op("rename"):

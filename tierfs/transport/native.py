@@ -389,6 +389,7 @@ class NativeSession:
         self.getattrs_now = 0  # GETATTRs likewise (Handlers.getattr_now)
         self.forgets_now = 0  # FORGETs done likewise (Handlers.forget_now)
         self.lookups_now = 0  # LOOKUPs answered likewise (Handlers.lookup_now)
+        self.unlinks_now = 0  # UNLINKs answered likewise (Handlers.unlink_now)
         self.setattrs_now = 0  # SETATTRs answered likewise (Handlers.setattr_now)
 
     @property
@@ -737,6 +738,12 @@ class NativeSession:
                 self._send(c.error_reply(req.unique, got) if isinstance(got, int)
                            else c.reply(req.unique, c.attr_out(got)))
                 return None
+        if op == c.UNLINK:
+            got = self.h.unlink_now(req.nodeid, req.args["name"])
+            if got is not None:  # a clean name, removed with no task (Handlers.unlink_now)
+                self.unlinks_now += 1
+                self._send(c.error_reply(req.unique, got) if got else c.reply(req.unique, b""))
+                return None
         if op == c.OPEN and self.pt is not None and self.clean_passthrough and self._open_now(req):
             return None  # a kept tier copy, answered with no task (Handlers.open_now)
         handler = _HANDLERS.get(op)
@@ -1045,6 +1052,7 @@ class NativeSession:
             "getattrs_answered_at_once": self.getattrs_now,
             "forgets_done_at_once": self.forgets_now,
             "lookups_answered_at_once": self.lookups_now,
+            "unlinks_answered_at_once": self.unlinks_now,
             "setattrs_answered_at_once": self.setattrs_now,
             "workers": self.workers, "peak_workers": self.peak_workers,
             "requests_by_opcode": {k.lower(): v for k, v in self.requests.most_common()},
