@@ -908,3 +908,26 @@ def test_times_set_through_the_mount_reach_the_backing_file(wm: Mount, kind: str
     subprocess.run(["sh", "-c", "echo 2 > /proc/sys/vm/drop_caches"], check=True)
     st = os.stat(p)
     assert (st.st_atime_ns, st.st_mtime_ns) == times
+
+
+def test_a_write_back_while_open_leaves_the_atime_set_through_the_mount(wm: Mount) -> None:
+    """A file written back while still open for writing (``tierfs flush``, an ``fsync``) keeps
+    the atime set on it through the mount, as the mount shows it and, after it is written
+    again and closed, on the backing file: the write-back reads the data file through a
+    descriptor of its own opened ``O_NOATIME``. (Its read through the shared descriptor renewed
+    the atime, and the next write-back carried the renewed one.)"""
+    p = wm.mnt / "open-times"
+    times = (1_000_000_000_123_456_789, 1_100_000_000_987_654_321)  # atime older than mtime
+    with open(p, "wb") as f:
+        f.write(b"a" * 5000)
+        f.flush()
+        os.utime(f.fileno(), ns=times)
+        flush(wm)  # written back while open: the write-back read the data file
+        assert os.stat(wm.backing / "open-times").st_atime_ns == times[0]
+        assert os.fstat(f.fileno()).st_atime_ns == times[0]
+        f.write(b"b" * 3000)  # (a write moves the mtime, never the atime)
+    flush(wm)
+    b = os.stat(wm.backing / "open-times")
+    assert b.st_size == 8000 and b.st_mtime_ns > times[1]
+    assert b.st_atime_ns == times[0]
+    assert os.stat(p).st_atime_ns == times[0]

@@ -39,6 +39,28 @@ def test_file_larger_than_write_tier_is_written_through(tiermount, tmp_path: Pat
     assert m.stats()["writeback"]["dirty_files"] in (0, 1)
 
 
+def test_a_switch_to_write_through_keeps_the_times_set_through_the_mount(tiermount, tmp_path: Path) -> None:
+    """A file whose times were set through the mount while it was in the write tier keeps them
+    when the write tier fills and it is switched to the backing store: its atime as set, as
+    the mount shows it and on the backing file after the commit, and the mtime of its last
+    write. (The switch's copy gave it the switch's own times.)"""
+    m = tiermount(ram="8MiB", ssd=None, extra=("--write-tier", "ram", *DAEMON_WRITES))
+    times = (1_000_000_000_123_456_789, 1_100_000_000_987_654_321)
+    with open(m.mnt / "t.bin", "wb") as f:
+        f.write(b"a" * MiB)
+        f.flush()
+        os.utime(f.fileno(), ns=times)
+        assert m.stats()["writeback"]["through_files"] == 0
+        f.write(os.urandom(16 * MiB))  # more than the write tier holds: switched
+        f.flush()
+        assert m.stats()["writeback"]["through_files"] == 1
+        st = os.fstat(f.fileno())
+        assert st.st_atime_ns == times[0] and st.st_mtime_ns > times[1]
+    tierfs_cmd("flush", str(m.mnt))
+    b = os.stat(tmp_path / "back" / "t.bin")
+    assert b.st_size == 17 * MiB and b.st_atime_ns == times[0]
+
+
 def test_written_through_file_written_again_after_its_commit(tiermount, tmp_path: Path) -> None:
     """A file written through (larger than the write tier), made durable (fsync: its temporary
     file is committed under its name), then written again through the same descriptor and made

@@ -233,3 +233,38 @@ async def test_what_a_group_costs(tmp_path: Path) -> None:
     assert calls[0] == 2
     assert writes.count("set_tmps") == 1 and "set_tmp" not in writes
     assert writes.count("remove") == group.GROUP_FILES
+
+
+def test_a_write_back_copy_reads_without_renewing_the_atime_and_falls_back_when_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy of a data file (:func:`backing_ops._copy_data`) reads it through a descriptor
+    of its own opened ``O_NOATIME``: an atime older than the ctime (relatime renews those), as
+    a ``utime`` leaves it, stays. Where that open is refused, the copy reads through the data
+    file's own descriptor and is whole all the same."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(os.urandom(70_000))
+    os.utime(src, ns=(1_000_000_000_000_000_000, 1_100_000_000_000_000_000))
+    sfd = os.open(src, os.O_RDWR)
+    dfd = os.open(dst, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        reader = backing_ops.unrenewing_reader(sfd)
+        assert reader != sfd and os.fstat(reader).st_ino == os.fstat(sfd).st_ino
+        os.close(reader)
+        os.ftruncate(dfd, 70_000)
+        assert backing_ops._copy_data(sfd, dfd, 0, 70_000, 1 << 20, False) == (70_000, 70_000)
+        assert os.fstat(sfd).st_atime_ns == 1_000_000_000_000_000_000
+        assert dst.read_bytes() == src.read_bytes()  # (this read renews it)
+
+        def refused(*a: object, **k: object) -> int:
+            raise PermissionError(1, "O_NOATIME refused")
+
+        monkeypatch.setattr(backing_ops.os, "open", refused)
+        assert backing_ops.unrenewing_reader(sfd) == sfd
+        os.ftruncate(dfd, 0)
+        os.ftruncate(dfd, 70_000)
+        assert backing_ops._copy_data(sfd, dfd, 0, 70_000, 1 << 20, False) == (70_000, 70_000)
+        monkeypatch.undo()
+        assert dst.read_bytes() == src.read_bytes()
+    finally:
+        os.close(sfd)
+        os.close(dfd)

@@ -63,7 +63,32 @@ def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
     pwrite_all(dst, pread_exact(src, length, offset), offset)
 
 
+def unrenewing_reader(fd: int) -> int:
+    """A second descriptor of the file ``fd`` for a copy's reads alone, opened ``O_NOATIME``
+    through ``/proc/self/fd`` (the same inode, whatever its name is now), so that the copy
+    leaves the file's atime as it was: a read renews an atime older than the ctime (relatime),
+    and the ``utime`` that set it (``tar -x``, ``cp -a``, ``touch -a``) moved the ctime. ``fd``
+    itself where the open is refused (``O_NOATIME`` needs the file's owner or CAP_FOWNER: EPERM;
+    a mode the daemon cannot read through: EACCES; no ``/proc``; no descriptor left). The
+    caller closes it if it is not ``fd``."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC)
+    except OSError:
+        return fd
+
+
 def _copy_data(src: int, dst: int, offset: int, end: int, limit: int, durable: bool) -> tuple[int, int]:
+    """:func:`_copy_data_from` through :func:`unrenewing_reader` of ``src``: a write-back's or
+    a switch to write-through's read of a data file leaves its atime as the mount shows it."""
+    reader = unrenewing_reader(src)
+    try:
+        return _copy_data_from(reader, dst, offset, end, limit, durable)
+    finally:
+        if reader != src:
+            os.close(reader)
+
+
+def _copy_data_from(src: int, dst: int, offset: int, end: int, limit: int, durable: bool) -> tuple[int, int]:
     """Copy the data segments of ``src`` between ``offset`` and ``end`` to the same offsets of
     ``dst``, at most ``limit`` bytes of data (one slice); holes are skipped (``dst`` was sized
     first, so they stay holes there: a sparse file stays sparse, and a huge sparse extension
@@ -166,10 +191,11 @@ def _copy_range_durable(src: int, dst: int, offset: int, length: int) -> None:
 
 def atime_before_copy(fd: int) -> int:
     """The atime (ns) of the data file ``fd`` as the mount shows it, taken before a write-back
-    reads it: that read renews it (relatime renews an atime older than the ctime, and the
-    ``utime`` that set it, as ``tar -x``, ``cp -a`` and ``touch -a`` do, moved the ctime), so
-    the atime an ``fstat`` after the copy sees is the write-back's own. An ``fstat`` of an open
-    descriptor: no I/O."""
+    reads it. The copy reads through :func:`unrenewing_reader`, which leaves the atime alone;
+    where that descriptor is refused, the copy's read renews it (relatime renews an atime older
+    than the ctime, and the ``utime`` that set it, as ``tar -x``, ``cp -a`` and ``touch -a`` do,
+    moved the ctime), and the atime an ``fstat`` after the copy sees is the write-back's own.
+    An ``fstat`` of an open descriptor: no I/O."""
     return os.fstat(fd).st_atime_ns
 
 

@@ -92,7 +92,7 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
                 partial(_copy_data, df.fd, out, off, df.size, wb.slice_size, False),
                 Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off), what=df.tmp))
             _step("to-through:copying")
-        await wb.device.run(_finish_attrs_only, out, df.fd)
+        await wb.device.run(_finish_attrs_and_times, out, df.fd)
         await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0, what=df.tmp)
         wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
@@ -117,6 +117,15 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         os.close(src)
     await wb.device.run(_unlink_quiet, df.data_path)
     wb._uncharge(df, 0)
+
+
+def _finish_attrs_and_times(dst: int, src: int) -> None:
+    """:func:`_finish_attrs_only`, and the data file's atime and mtime onto the file it is
+    switched to (the copy read it without renewing its atime: ``_copy_data``): the file
+    shows the times it had through the mount, also an atime set by ``utime``, where the
+    switch's own were shown."""
+    st = _finish_attrs_only(dst, src)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 async def commit_through(wb: WriteBack, df: DirtyFile) -> None:
