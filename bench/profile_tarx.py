@@ -89,6 +89,14 @@ def run(args: argparse.Namespace) -> dict:
         # how the loop waited for the next request: a busy poll that found it, or epoll
         out["waits_per_file"] = {k: round((tr.get(k, 0) - tb.get(k, 0)) / args.files, 2)
                                  for k in ("busy_poll_hits", "busy_poll_misses", "epoll_waits")}
+        # which device calls of the tar went to worker threads (each a hand-off and a wake-up)
+        db = before.get("devices", {})
+        out["device_calls_per_file"] = {
+            k: {c: round((v.get(c, 0) - db.get(k, {}).get(c, 0)) / args.files, 3)
+                for c in ("inline_calls", "thread_calls")}
+            for k, v in after.get("devices", {}).items()
+            if v.get("thread_calls", 0) + v.get("inline_calls", 0) > db.get(k, {}).get("thread_calls", 0)
+            + db.get(k, {}).get("inline_calls", 0)}
         out["writeback_after_tar"] = after.get("writeback", {}).get("dirty_files")
     finally:
         stop(proc, mnt, work)

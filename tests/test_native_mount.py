@@ -424,6 +424,13 @@ def test_unlinks_of_clean_names_are_answered_at_once_and_kept_files_go_to_the_ha
     assert not (d / "a").exists() and not (d / "b").exists() and (d / "sub").is_dir()
     assert (m / "a2").read_bytes() == data["a"] and os.stat(m / "a2").st_nlink == 1
     assert os.stat(m).st_mtime_ns == os.stat(d).st_mtime_ns
+    write_random(d / "behind", 100, seed=9)
+    assert os.stat(m / "behind").st_size == 100  # the kernel holds the name now
+    os.unlink(d / "behind")  # removed behind tierfs' back: the UNLINK's ENOENT is the store's
+    with pytest.raises(FileNotFoundError):
+        os.unlink(m / "behind")
+    assert transport_stats(nm)["unlinks_answered_at_once"] == t1 + 1
+    t1 += 1
     with open(m / "held", "rb") as held:
         os.unlink(m / "held")
         assert transport_stats(nm)["unlinks_answered_at_once"] == t1  # through the handler

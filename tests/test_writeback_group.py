@@ -244,6 +244,12 @@ def test_a_write_back_copy_reads_without_renewing_the_atime_and_falls_back_when_
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.write_bytes(os.urandom(70_000))
     os.utime(src, ns=(1_000_000_000_000_000_000, 1_100_000_000_000_000_000))
+    control = tmp_path / "control"
+    control.write_bytes(b"c")
+    os.utime(control, ns=(1_000_000_000_000_000_000, 1_100_000_000_000_000_000))
+    control.read_bytes()
+    if os.stat(control).st_atime_ns == 1_000_000_000_000_000_000:
+        pytest.skip("this filesystem renews no atime on a read (noatime): nothing to tell apart")
     sfd = os.open(src, os.O_RDWR)
     dfd = os.open(dst, os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -706,7 +706,7 @@ class Namespace:
             return None
         try:
             path = self.new_child(parent_inode, name)
-        except (FuseError, KeyError):
+        except (FuseError, KeyError, OSError):  # (OSError: a directory no longer named)
             return None
         if self.wb.get(path) is not None:
             return None

@@ -36,6 +36,7 @@ from tierfs.writeback.backing_ops import (
     _finish_attrs_only,
     _fsync_lstat,
     _size_tmp,
+    atime_before_copy,
 )
 from tierfs.writeback.journal import JState
 from tierfs.writeback.manager import DirtyState, _unlink_quiet, log
@@ -86,13 +87,14 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         _step("to-through:created")
         # sized first, then only the data segments copied: a sparse file stays sparse
         await wb.sched.io(partial(_size_tmp, out, df.size), Klass.DEMAND, nbytes=0, what=df.tmp)
+        atime_ns = atime_before_copy(df.fd)  # (the copy leaves it, unless its reader is refused)
         off = 0
         while off < df.size:
             off, _ = cast("tuple[int, int]", await wb.sched.io(
                 partial(_copy_data, df.fd, out, off, df.size, wb.slice_size, False),
                 Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off), what=df.tmp))
             _step("to-through:copying")
-        await wb.device.run(_finish_attrs_and_times, out, df.fd)
+        await wb.device.run(_finish_attrs_and_times, out, df.fd, atime_ns)
         await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0, what=df.tmp)
         wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
     except BaseException:
@@ -119,13 +121,13 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
     wb._uncharge(df, 0)
 
 
-def _finish_attrs_and_times(dst: int, src: int) -> None:
-    """:func:`_finish_attrs_only`, and the data file's atime and mtime onto the file it is
-    switched to (the copy read it without renewing its atime: ``_copy_data``): the file
-    shows the times it had through the mount, also an atime set by ``utime``, where the
+def _finish_attrs_and_times(dst: int, src: int, atime_ns: int) -> None:
+    """:func:`_finish_attrs_only`, and the data file's times onto the file it is switched to:
+    ``atime_ns``, its atime before the copy (:func:`atime_before_copy`), and its mtime. The
+    file shows the times it had through the mount, also an atime set by ``utime``, where the
     switch's own were shown."""
     st = _finish_attrs_only(dst, src)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.utime(dst, ns=(atime_ns, st.st_mtime_ns))
 
 
 async def commit_through(wb: WriteBack, df: DirtyFile) -> None:
