@@ -719,7 +719,8 @@ class Namespace:
     def unlink_now(self, path: bytes) -> None:
         """:meth:`unlink` of a path :meth:`unlink_now_path` gave, done now (inline, as its
         metadata call would run): ``rm -rf`` sends one UNLINK per file, and the handler's
-        awaits cost it ~10 us of the daemon's time each. Raises what :meth:`unlink` raises."""
+        task and awaits cost ~5 us of the daemon's CPU each (bench/profile_rm.py, four
+        alternated pairs; docs/benchmarks.md). Raises what :meth:`unlink` raises."""
         token = self.dir_token()
         nlink, dst = self.meta.run_now(self.tree.unlink_stat_dir, path)
         self._unlinked(path, nlink, dst, token)
