@@ -91,12 +91,10 @@ def run(args: argparse.Namespace) -> dict:
                                  for k in ("busy_poll_hits", "busy_poll_misses", "epoll_waits")}
         # which device calls of the tar went to worker threads (each a hand-off and a wake-up)
         db = before.get("devices", {})
-        out["device_calls_per_file"] = {
-            k: {c: round((v.get(c, 0) - db.get(k, {}).get(c, 0)) / args.files, 3)
-                for c in ("inline_calls", "thread_calls")}
-            for k, v in after.get("devices", {}).items()
-            if v.get("thread_calls", 0) + v.get("inline_calls", 0) > db.get(k, {}).get("thread_calls", 0)
-            + db.get(k, {}).get("inline_calls", 0)}
+        calls = {k: {c: v.get(c, 0) - db.get(k, {}).get(c, 0) for c in ("inline_calls", "thread_calls")}
+                 for k, v in after.get("devices", {}).items()}
+        out["device_calls_per_file"] = {k: {c: round(n / args.files, 3) for c, n in d.items()}
+                                        for k, d in calls.items() if any(d.values())}
         out["writeback_after_tar"] = after.get("writeback", {}).get("dirty_files")
     finally:
         stop(proc, mnt, work)

@@ -205,8 +205,7 @@ def _finish_tmp(tmp_fd: int, src_fd: int, size: int, atime_ns: int) -> None:
     try:
         os.ftruncate(tmp_fd, size)
         if src_fd != tmp_fd:
-            st = _finish_attrs_only(tmp_fd, src_fd)
-            os.utime(tmp_fd, ns=(atime_ns, st.st_mtime_ns))
+            _finish_attrs_and_times(tmp_fd, src_fd, atime_ns)
         os.fsync(tmp_fd)
     finally:
         if src_fd != tmp_fd:
@@ -417,6 +416,13 @@ def _finish_attrs_only(dst: int, src: int) -> os.stat_result:
     os.fchmod(dst, st.st_mode & 0o7777)
     _copy_xattrs(src, dst, caps=True)
     return st
+
+
+def _finish_attrs_and_times(dst: int, src: int, atime_ns: int) -> None:
+    """:func:`_finish_attrs_only`, then the data file's times onto ``dst``: ``atime_ns``, its
+    atime before the copy (:func:`atime_before_copy`), and its mtime."""
+    st = _finish_attrs_only(dst, src)
+    os.utime(dst, ns=(atime_ns, st.st_mtime_ns))
 
 
 def _remove_tmp(tree: BackingTree, tmp: bytes, dir_times: DirTimes | None) -> None:

@@ -33,7 +33,7 @@ from tierfs.sched.scheduler import Klass
 from tierfs.writeback.backing_ops import (
     _commit,
     _copy_data,
-    _finish_attrs_only,
+    _finish_attrs_and_times,
     _fsync_lstat,
     _size_tmp,
     atime_before_copy,
@@ -94,6 +94,8 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
                 partial(_copy_data, df.fd, out, off, df.size, wb.slice_size, False),
                 Klass.DEMAND, nbytes=min(wb.slice_size, df.size - off), what=df.tmp))
             _step("to-through:copying")
+        # the data file's times too: the file shows those it had through the mount (an atime
+        # set by utime included), not the switch's own
         await wb.device.run(_finish_attrs_and_times, out, df.fd, atime_ns)
         await wb.sched.io(partial(os.fsync, out), Klass.DEMAND, nbytes=0, what=df.tmp)
         wb._journal(wb.journal.set_tmp, df.id, df.tmp, JState.THROUGH)  # complete: it holds the bytes
@@ -119,15 +121,6 @@ async def _switch_locked(wb: WriteBack, df: DirtyFile) -> None:
         os.close(src)
     await wb.device.run(_unlink_quiet, df.data_path)
     wb._uncharge(df, 0)
-
-
-def _finish_attrs_and_times(dst: int, src: int, atime_ns: int) -> None:
-    """:func:`_finish_attrs_only`, and the data file's times onto the file it is switched to:
-    ``atime_ns``, its atime before the copy (:func:`atime_before_copy`), and its mtime. The
-    file shows the times it had through the mount, also an atime set by ``utime``, where the
-    switch's own were shown."""
-    st = _finish_attrs_only(dst, src)
-    os.utime(dst, ns=(atime_ns, st.st_mtime_ns))
 
 
 async def commit_through(wb: WriteBack, df: DirtyFile) -> None:
