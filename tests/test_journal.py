@@ -97,3 +97,37 @@ def test_another_process_opening_the_journal_never_costs_a_commit(tmp_path: Path
     j = Journal(str(path))
     assert sorted(row.path for row in j.rows()) == sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(10)])
     j.close()
+
+
+def test_an_insert_below_the_reserved_ids_commits_one_page(tmp_path: Path) -> None:
+    """A new row's commit writes the table's page alone (one WAL frame), not also the row of
+    ``sqlite_sequence`` that AUTOINCREMENT rewrites whenever an id goes above it: that row is
+    moved ahead ID_RESERVE ids at once. The ids reserved count as used after a reopen, and
+    the row is where an older tierfs reads its counter."""
+    import sqlite3
+
+    from tierfs.writeback import journal
+
+    path = str(tmp_path / "j.sqlite")
+    j = Journal(path)
+    first = j.new_id()
+    j.add(first, b"f0")  # reaches the reserve: moves it ahead, in the same commit
+    wal = Path(path + "-wal")
+    page = j._db.execute("PRAGMA page_size").fetchone()[0]
+    grown = wal.stat().st_size
+    n = 50
+    for i in range(n):
+        j.add(j.new_id(), b"f%d" % (i + 1))
+    frames = (wal.stat().st_size - grown) // (page + 24)  # a WAL frame: a 24-byte header and a page
+    assert frames == n, f"{frames} WAL frames for {n} inserts"
+    j.close()
+    db = sqlite3.connect(path)
+    try:
+        [(seq,)] = db.execute("SELECT seq FROM sqlite_sequence WHERE name='dirty'").fetchall()
+    finally:
+        db.close()
+    assert seq == first + journal.ID_RESERVE
+    j = Journal(path)
+    assert j.new_id() > seq  # the reserved ids are never handed out by a later mount
+    assert len(j.rows()) == n + 1
+    j.close()
