@@ -54,10 +54,11 @@ def scan_choice(files: dict[int, DirtyFile], now: float) -> DirtyFile | None:
 
 
 def is_ready(df: DirtyFile) -> bool:
-    """Ready for write-back, whatever the time (``retry_at`` is not looked at)."""
-    return (df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
+    """Ready for write-back, whatever the time (``retry_at`` is not looked at). (The writers
+    first: a file still open for writing, with nobody waiting for it, is the usual answer.)"""
+    return ((df.writers == 0 or bool(df.waiters))
+            and df.state in (DirtyState.DIRTY, DirtyState.THROUGH) and df.path is not None
             and df.inflight == 0 and df.excl is None and df.filling == 0
-            and (df.writers == 0 or bool(df.waiters))
             and (df.durable_gen < df.gen or df.writers == 0))
 
 
@@ -93,8 +94,14 @@ class ReadyIndex:
 
     def update(self, df: DirtyFile) -> None:
         """``df`` changed (called by the descriptors of :data:`READY_FIELDS` on DirtyFile)."""
+        ready = is_ready(df)
+        if not ready and not df._ready_in:
+            # No entry of its current version to drop (a version is bumped whenever the file
+            # leaves the index) and none to add: the common case, a file still open for
+            # writing (a tar -x makes ~20 such updates per file)
+            return
         self._invalidate(df)
-        if is_ready(df):
+        if ready:
             df._ready_in = True
             self._live += 1
             heapq.heappush(self._heap, (df.deadline, df._ready_order, df._ready_ver, df))
