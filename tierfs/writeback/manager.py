@@ -1396,7 +1396,11 @@ class WriteBack:
             return False
         try:
             self._check_backing_room(need)
-            sv = await self.attr_device.run(os.statvfs, tier.path)
+            # Read at every writable lease, never cached: a filesystem filled behind the
+            # daemon's back (test_writeback_enospc: a 1 s cache let the kernel write into a
+            # full tier and the writer got ENOSPC) must refuse the next lease. Through the
+            # dirty directory's descriptor: no walk of the tier's path.
+            sv = await self.attr_device.run(os.fstatvfs, self.dirty_fd)
         except OSError:
             return False
         return sv.f_bavail * sv.f_frsize >= need
