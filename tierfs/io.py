@@ -34,13 +34,9 @@ _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ct
 SYNC_RANGE_ALL = 1 | 2 | 4
 
 
-def _thread_usage() -> tuple[float, int]:
-    """This thread's CPU time so far (seconds, user + system) and its voluntary context
-    switches (it slept: I/O, a lock), from one ``getrusage(RUSAGE_THREAD)``: 0.5 us, where
-    ``time.thread_time()`` and a ``getrusage`` for the switches cost 1.2 us together, paid
-    before and after every inline call (timeit, this machine)."""
-    ru = resource.getrusage(resource.RUSAGE_THREAD)
-    return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw
+def _voluntary_switches() -> int:
+    """This thread's voluntary context switches so far (it slept: I/O, a lock)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
 class Device:
@@ -124,26 +120,21 @@ class Device:
         docstring): :meth:`run`'s inline calls, and a caller that cannot await (a request the
         transport answers as it reads it) which checked :meth:`inline_now` first. No yield."""
         under = self.inline_under or 0.0  # (set: the callers checked)
-        # The thread's usage is read before the call, and again after it only when the call
-        # was slow: a fast call (nearly all: a cached lstat, an fchown) costs two clock reads
-        # and one getrusage, not the four system calls it took to read both every time
-        # (~2 us of each inline call, 8 of them per file of a tar -x)
         now = time.monotonic()
-        cpu, switches = _thread_usage()
+        cpu = time.thread_time()
+        switches = _voluntary_switches()
         try:
             return fn(*args)
         finally:
             took = time.monotonic() - now
             slept = True
-            if took > under:
-                cpu_after, switches_after = _thread_usage()
-                if switches_after == switches:
-                    # it never slept (no I/O wait): the wall time beyond its CPU time was
-                    # preemption by other processes (a loaded machine: DataLoader workers
-                    # on every core), which a thread would suffer too and then add a
-                    # hand-off; charge the CPU time it held the loop for
-                    took = cpu_after - cpu
-                    slept = False
+            if took > under and _voluntary_switches() == switches:
+                # it never slept (no I/O wait): the wall time beyond its CPU time was
+                # preemption by other processes (a loaded machine: DataLoader workers
+                # on every core), which a thread would suffer too and then add a
+                # hand-off; charge the CPU time it held the loop for
+                took = time.thread_time() - cpu
+                slept = False
             self.inline_calls += 1
             probing = self._probe_from is not None
             if probing and self.inline_calls - self._probe_from > self.PROBE_CALLS:  # type: ignore[operator]
