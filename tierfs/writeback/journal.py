@@ -38,6 +38,7 @@ from tierfs.errors import ForeignJournal
 
 SCHEMA = 2
 ID_RESERVE = 4096  # ids reserved in sqlite_sequence at once (Journal.add)
+_INSERT_ROW = "INSERT INTO dirty (id, path) VALUES (?, ?)"  # a new row (Journal.add, Journal.readd)
 # Blocks allocated ahead for the journal (see Journal._reserve). The WAL grows to its
 # auto-checkpoint size (1000 pages of 4 KiB) and is then reused in place from its start, so
 # 4 MiB covers it; the database itself holds one small row per dirty file (1 MiB: thousands).
@@ -223,12 +224,12 @@ class Journal:
         ids (they are counted as used): ids still never repeat, and older versions of tierfs
         read the same row."""
         if id <= self._reserved_to:
-            self._exec("INSERT INTO dirty (id, path) VALUES (?, ?)", (id, path))
+            self._exec(_INSERT_ROW, (id, path))
             return
         ahead = id + ID_RESERVE
 
         def insert(db: sqlite3.Connection) -> None:
-            db.execute("INSERT INTO dirty (id, path) VALUES (?, ?)", (id, path))
+            db.execute(_INSERT_ROW, (id, path))
             db.execute("UPDATE sqlite_sequence SET seq=? WHERE name='dirty'", (ahead,))
 
         self._transaction(insert)
@@ -237,7 +238,7 @@ class Journal:
     def readd(self, id: int, path: bytes) -> None:
         """A file written back and clean, whose row was removed, dirty again with the same data
         file (``id`` names it): :meth:`tierfs.writeback.manager.WriteBack.redirty`."""
-        self._exec("INSERT INTO dirty (id, path) VALUES (?, ?)", (id, path))
+        self._exec(_INSERT_ROW, (id, path))
 
     def set_path(self, id: int, path: bytes | None) -> None:
         self._exec("UPDATE dirty SET path=? WHERE id=?", (path, id))
