@@ -919,7 +919,11 @@ def test_the_fill_leaves_the_page_cache_of_readers_passing_through(bm: Mount) ->
         assert time.monotonic() < end, "the tier was not filled in the background"
         time.sleep(0.05)
     assert bm.stats()["transport"]["passthrough_opens_by_tier"] == {"backing": 1}
-    assert page_cached_bytes(bm.backing / "pc") == len(data)
+    # A fill that dropped what it copied would leave none of the file's pages: the fill runs
+    # over all of it. The kernel itself may reclaim a few meanwhile, once the test run's page
+    # cache fills the machine's memory (CI, after 20 minutes of tests: 32 KiB of the 8 MiB
+    # gone), so a sliver of loss is the kernel's, not the daemon's.
+    assert page_cached_bytes(bm.backing / "pc") >= len(data) - MiB
 
 
 def test_writer_beside_backing_readers_writes_the_backing_file_in_place(bm: Mount) -> None:
