@@ -253,12 +253,12 @@ def test_ten_thousand_concurrent_opens_share_one_backing_id(nm: Mount) -> None:
     wait_for(lambda: nm.stats()["transport"]["backing_ids"] == 0, "the last release")
 
 
-def test_kept_registrations_of_ram_copies_hold_no_descriptor_in_the_daemon(nm: Mount) -> None:
-    """A RAM-tier copy kept registered after its last close holds no descriptor in the daemon
-    (the kernel keeps its own reference to the file): a small-file dataset stays registered
-    whole, not only an eighth of the descriptor limit's worth (2,500 files of an epoch over
-    8,000 under a 20,000 limit, which LRU then made 0 reuses in a pass in name order). The next
-    open opens the tier file again and reuses the registration; the bytes are the file's."""
+def test_kept_registrations_of_ram_copies_keep_their_descriptor_within_the_budget(nm: Mount) -> None:
+    """A RAM-tier copy kept registered after its last close keeps its descriptor in the daemon
+    while fewer than an eighth of the descriptor limit are held, so the next open reuses the
+    registration without opening the tier file again (no reopen of a parked copy: beyond the
+    budget, tests/test_kept_descriptors.py). The bytes are the file's, and a kept copy still
+    yields to eviction."""
     n = 150
     files = {f"s{i:03d}": write_random(nm.backing / f"s{i:03d}", 20 * 1024 + i, seed=i) for i in range(n)}
     paths = [str(nm.mnt / name) for name in files]
@@ -274,15 +274,19 @@ def test_kept_registrations_of_ram_copies_hold_no_descriptor_in_the_daemon(nm: M
     for name, data in files.items():  # passes through: kept at its close
         assert (nm.mnt / name).read_bytes() == data
     s = nm.stats()  # (the descriptors themselves: tests/test_lease.py, in-process)
-    assert s["fuse"]["kept_passthrough"] == n and s["fuse"]["kept_passthrough_fds"] == 0
+    assert s["fuse"]["kept_passthrough"] == n and s["fuse"]["kept_passthrough_fds"] == n
     t0 = transport_stats(nm)
     for name, data in files.items():
         assert (nm.mnt / name).read_bytes() == data
     t1 = transport_stats(nm)
     assert t1["kept_backing_reuses"] == t0["kept_backing_reuses"] + n
     assert t1["backing_registrations"] == t0["backing_registrations"]
-    tierfs_cmd("evict", paths[0])  # a kept (descriptor-less) lease still yields to eviction
-    assert nm.stats()["fuse"]["kept_passthrough"] == n - 1
+    s1 = nm.stats()
+    assert s1["fuse"]["kept_passthrough_reuses"] >= s["fuse"]["kept_passthrough_reuses"] + n
+    assert s1["fuse"]["kept_passthrough_reopens"] == s["fuse"]["kept_passthrough_reopens"]
+    tierfs_cmd("evict", paths[0])  # a kept lease yields to eviction (its descriptor closed)
+    s2 = nm.stats()
+    assert s2["fuse"]["kept_passthrough"] == n - 1 and s2["fuse"]["kept_passthrough_fds"] == n - 1
     assert (nm.mnt / "s000").read_bytes() == files["s000"]
 
 

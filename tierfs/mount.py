@@ -640,6 +640,7 @@ async def serve(plan: MountPlan, ready: Callable[[str | None], None]) -> None:
         doc["fuse"]["kept_passthrough"] = len(ops.kept_passthrough)
         doc["fuse"]["kept_passthrough_reuses"] = ops.kept_reuses
         doc["fuse"]["kept_passthrough_fds"] = ops.kept_fds  # of those, kept with a descriptor open
+        doc["fuse"]["kept_passthrough_reopens"] = cache.unparks  # reuses that reopened a parked one
         # a read-only mount whose opens the kernel answers: implicit read handles (Handlers.read_inode)
         doc["fuse"]["read_only"] = cfg.ro
         doc["fuse"]["kernel_opens"] = control.kernel_opens

@@ -207,6 +207,7 @@ class Cache:
         self._kept: dict[str, tuple[Hashable, Callable[[], None]]] = {}
         self.filling: OrderedDict[str, None] = OrderedDict()  # file keys queued by fill(), newest last
         self.passthrough_refusals = 0
+        self.unparks = 0  # parked kept leases given a descriptor again (reuse_kept)
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Background placement and promotion tasks run in ``nursery`` (owned by the mount)."""
@@ -547,6 +548,11 @@ class Cache:
             self._kept[str(lkey[2])] = (lkey, revoke)  # type: ignore[index]
         return lease
 
+    def parks(self, lkey: Hashable) -> bool:
+        """Whether a kept lease of ``lkey`` can be parked (:meth:`park_kept`): its tier's calls
+        run inline (RAM)."""
+        return self.tiers[self._tier_index(str(lkey[1]))].inline  # type: ignore[index]
+
     def park_kept(self, lkey: Hashable) -> bool:
         """Close the descriptor of the kept lease of ``lkey`` while nothing else holds it
         (:meth:`LeaseTable.park`): kept leases then cost no descriptors, so as many files
@@ -556,8 +562,7 @@ class Cache:
         opens the tier file again (:meth:`reuse_kept`, ~10 us on tmpfs, against ~125 us
         for a lease and a kernel registration). Only in a tier whose calls run inline (RAM):
         elsewhere that open would take a thread. True if parked."""
-        tier = self.tiers[self._tier_index(str(lkey[1]))]  # type: ignore[index]
-        return tier.inline and self.leases.park(lkey)
+        return self.parks(lkey) and self.leases.park(lkey)
 
     def _unpark(self, lkey: Hashable, f: BackingFile) -> bool:
         """Give parked ``lkey`` its descriptor back (the tier file of ``f``, which its pin kept
@@ -574,6 +579,7 @@ class Cache:
             ok = False
         if ok:
             self.leases.unpark(lkey, fd)
+            self.unparks += 1
             return True
         if fd >= 0:
             os.close(fd)

@@ -250,7 +250,7 @@ class _TierPassthrough:
     # a lease kept after the last open closes (Handlers.kept_passthrough), so that the next
     # open of the file costs no tier open, pin or kernel registration
     keeper: Lease | None = None
-    holds_fd: bool = False  # kept with its descriptor open (not parked: not a RAM tier copy)
+    holds_fd: bool = False  # kept with its descriptor open (not parked: Handlers._keep_descriptor)
     # kind "backing": the file to copy into a tier once its last reader closes (the copy then
     # comes from the page cache the readers filled instead of competing with them for the store
     # and the CPU: 8 readers of a 2 GiB file on an emulated parallel store, ...)
@@ -313,6 +313,9 @@ class Handlers:
         self.kept_max = KEPT_PASSTHROUGH_MAX
         self.kept_fds_max = _nofile() // 8
         self.kept_fds = 0  # kept ones holding a descriptor
+        # those of them in the RAM tier, least recently closed first: a copy in another tier
+        # takes the descriptor of one of them (which parks) when none is left
+        self._kept_ram_fds: collections.OrderedDict[int, _TierPassthrough] = collections.OrderedDict()
         self.kept_reuses = 0
         # set by a transport that registers tier files with the kernel: a tier copy's opens
         # all closed and it is not kept (or no longer): its registration can go
@@ -1413,14 +1416,9 @@ class Handlers:
                 self.cache.fill(f)
         if tp.handles <= 0 and self.tier_passthrough.get(inode) is tp:
             if tp.keeper is not None and inode not in self.ns.written_in_place:
-                if self.cache.park_kept(tp.lkey):
-                    tp.fd = -1  # (until the next open gives it one again)
-                elif self.kept_fds >= self.kept_fds_max:
+                if not self._keep_descriptor(inode, tp):
                     self._end_passthrough(inode, tp)  # it would hold one descriptor too many
                     return
-                else:
-                    tp.holds_fd = True
-                    self.kept_fds += 1
                 self.kept_passthrough[inode] = tp
                 self.kept_passthrough.move_to_end(inode)
                 if len(self.kept_passthrough) > self.kept_max:
@@ -1428,6 +1426,37 @@ class Handlers:
                     self._drop_kept(old, otp)
                 return
             self._end_passthrough(inode, tp)
+
+    def _keep_descriptor(self, inode: int, tp: _TierPassthrough) -> bool:
+        """Where the kept copy ``tp`` (its last open just closed) keeps its descriptor: open,
+        while fewer than :attr:`kept_fds_max` kept copies hold one; else parked
+        (:meth:`Cache.park_kept`: a RAM tier copy, reopened at its next open); else (another
+        tier's copy, whose reopen would take a thread) the slot of a RAM copy holding one,
+        which parks. False: not kept (no slot)."""
+        if self.kept_fds < self.kept_fds_max:
+            self._hold_descriptor(inode, tp)
+            return True
+        # An open descriptor spares the next open a reopen of the tier file and its fstat (~12
+        # us of ~60 in an open answered at once; the close at the release too): RAM copies
+        # parked always made an epoch over 2,400 resident files cost the daemon 156-171 us
+        # per file, against 126-132 holding descriptors (bench/profile_epoch.py --drop).
+        if self.cache.park_kept(tp.lkey):
+            tp.fd = -1  # (until the next open gives it one again)
+            return True
+        while self._kept_ram_fds:
+            oinode, otp = self._kept_ram_fds.popitem(last=False)
+            if otp.holds_fd and self.cache.park_kept(otp.lkey):
+                otp.holds_fd, otp.fd = False, -1
+                self.kept_fds -= 1
+                self._hold_descriptor(inode, tp)
+                return True
+        return False
+
+    def _hold_descriptor(self, inode: int, tp: _TierPassthrough) -> None:
+        tp.holds_fd = True
+        self.kept_fds += 1
+        if self.cache.parks(tp.lkey):  # (one that could do without it, for another tier's)
+            self._kept_ram_fds[inode] = tp
 
     def _end_passthrough(self, inode: int, tp: _TierPassthrough) -> None:
         """No open of ``inode`` passes through to ``tp`` any more, and it is not kept."""
@@ -1445,6 +1474,7 @@ class Handlers:
         if self.kept_passthrough.pop(inode, None) is not None and tp.holds_fd:
             tp.holds_fd = False
             self.kept_fds -= 1
+            self._kept_ram_fds.pop(inode, None)
 
     def _release_keeper(self, tp: _TierPassthrough) -> None:
         keeper, tp.keeper = tp.keeper, None
